@@ -1,0 +1,57 @@
+# Atto Cloud usage limits. `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TOOLS  := .tools
+SAM    := $(TOOLS)/bin/sam
+export SAM_CLI_TELEMETRY := 0
+export AWS_EC2_METADATA_DISABLED := true
+
+FN    ?= structured
+EVENT ?= events/$(FN).json
+
+.PHONY: help
+help: ## Show this help.
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+.PHONY: venv
+venv: $(STAMP) ## Create .venv with the project and its dev dependencies.
+
+.PHONY: redis-server
+redis-server: ## Install Debian's redis-server when it is missing.
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { \
+	  echo "installing redis-server with apt-get"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null; }
+	@# Debian's package starts a system redis on 6379; the project never uses it.
+
+.PHONY: test
+test: $(STAMP) redis-server ## Run every test (starts its own redis-server and Redis Cluster).
+	$(PY) -m pytest
+
+.PHONY: serve
+serve: $(STAMP) redis-server ## Run the API locally (PORT=8000, WORKERS=1).
+	$(PY) -m local.serve
+
+.PHONY: invoke
+invoke: $(STAMP) redis-server ## Invoke a function handler with an event: make invoke FN=structured EVENT=events/structured.json
+	$(PY) -m local.invoke $(FN) $(EVENT)
+
+.PHONY: bench
+bench: $(STAMP) redis-server ## Run the benchmarks and print their tables.
+	$(PY) bench/budget.py
+
+.PHONY: lint
+lint: $(STAMP) ## ruff and mypy.
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy

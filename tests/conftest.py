@@ -1,0 +1,71 @@
+"""Session-wide real servers: one redis-server and one 3-master Redis Cluster.
+
+Both run on private loopback ports and are started by the test session itself (no docker).
+Tests get a fresh async client per test (``redis_client`` runs each test on both
+topologies) and unique ids (``uid``) so tests never share keys.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from local.redis_servers import RedisCluster3, RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A private standalone redis-server for the whole session."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster3]:
+    """A private 3-master Redis Cluster for the whole session."""
+    with RedisCluster3() as cluster:
+        yield cluster
+
+
+def client_for(server: RedisServer | RedisCluster3) -> aioredis.Redis | RedisCluster:
+    """An async client with explicit timeouts and no retries (tests see every failure)."""
+    common = dict(socket_timeout=2.0, socket_connect_timeout=2.0,
+                  retry=Retry(NoBackoff(), 0), decode_responses=False)
+    if isinstance(server, RedisCluster3):
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in server.startup_nodes],
+                            **common)
+    return aioredis.Redis(host="127.0.0.1", port=server.port, **common)
+
+
+@pytest.fixture(params=["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
+async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis | RedisCluster]:
+    """An async client, once against the standalone server and once against the cluster."""
+    server = request.getfixturevalue("redis_server" if request.param == "standalone"
+                                     else "redis_cluster")
+    client = client_for(server)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def standalone_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    """An async client to the standalone server only."""
+    client = client_for(redis_server)
+    try:
+        yield client  # type: ignore[misc]
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+def uid() -> str:
+    """A unique id for keys of this test (user, provider, request)."""
+    return uuid.uuid4().hex[:12]

@@ -1,0 +1,60 @@
+"""GET /v1/usage: the caller's budget, recent spend and the price of every route (free)."""
+
+from __future__ import annotations
+
+from fastapi import Depends
+from mangum import Mangum
+from pydantic import BaseModel, Field
+
+from usage_limits.web import create_app, current_user, settings
+from usage_limits.web.runtime import get_budget
+
+app = create_app("Atto Cloud: usage")
+
+#: Tokens per metered route. Each route declares the same number in its
+#: ``require_tokens(cost=...)``; a test keeps the two in step.
+PRICES: dict[str, int] = {
+    "POST /v1/structured": 8,
+}
+
+
+class WindowOut(BaseModel):
+    limit: int = Field(description="Tokens allowed in the window.")
+    used: int = Field(description="Tokens spent in the window.")
+    remaining: int
+    window_s: int = Field(description="Length of the sliding window in seconds.")
+    resets_at: float | None = Field(
+        description="Unix time when everything spent in the window has left it.")
+
+
+class SpendEventOut(BaseModel):
+    request_id: str
+    cost: int
+    route: str
+    at: float = Field(description="Unix time of the charge.")
+
+
+class UsageOut(BaseModel):
+    user_id: str
+    windows: list[WindowOut]
+    events: list[SpendEventOut] = Field(description="Most recent charges first.")
+    prices: dict[str, int] = Field(description="Tokens per metered route.")
+
+
+@app.get("/v1/usage")
+async def usage(user: str = Depends(current_user)) -> UsageOut:
+    """What the caller has spent, what is left, and what each route costs."""
+    ledger = get_budget(settings().plan)
+    report = await ledger.usage(user)
+    return UsageOut(
+        user_id=user,
+        windows=[WindowOut(limit=w.limit, used=w.used, remaining=w.remaining,
+                           window_s=int(w.window_s), resets_at=w.resets_at)
+                 for w in report.windows],
+        events=[SpendEventOut(request_id=e.request_id.partition(":")[2] or e.request_id, cost=e.cost, route=e.route,
+                              at=e.at_ms / 1000) for e in report.events],
+        prices=PRICES,
+    )
+
+
+handler = Mangum(app, lifespan="off")

@@ -1,0 +1,137 @@
+"""What every provider client shares: one HTTP client, the throttle, deadlines and errors.
+
+A call goes: wait for a shared provider slot (``ProviderThrottle``, Redis) within the
+request's deadline, send the request with a timeout that ends before the deadline, and
+map the answer:
+
+- 2xx: the JSON body;
+- 429: pause the provider for every instance for its ``Retry-After``, then try again if
+  the deadline allows (else 503 ``provider_busy``);
+- anything else, a timeout or a network error: 502 ``provider_error``.
+
+The web layer refunds the user's tokens for both 502 and 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import httpx
+
+from usage_limits.deadline import remaining_s
+from usage_limits.exceptions import ProviderBusy
+from usage_limits.web import runtime
+from usage_limits.web.errors import ProviderError
+
+log = logging.getLogger("atto_providers")
+
+#: Longest single upstream call, whatever the deadline allows.
+DEFAULT_TIMEOUT_S = 25.0
+#: Do not start an upstream call with less time than this left.
+MIN_CALL_S = 0.2
+#: Upstream 429s honoured per call before giving up with provider_busy.
+MAX_RATE_LIMITED_RETRIES = 3
+
+_http: httpx.AsyncClient | None = None
+_http_loop: asyncio.AbstractEventLoop | None = None
+
+
+def http_client() -> httpx.AsyncClient:
+    """One pooled HTTP client per execution environment (per event loop)."""
+    global _http, _http_loop
+    loop = asyncio.get_running_loop()
+    if _http is None or _http_loop is not loop:
+        _http = httpx.AsyncClient(
+            timeout=DEFAULT_TIMEOUT_S, follow_redirects=False,
+            limits=httpx.Limits(max_connections=20, max_keepalive_connections=10))
+        _http_loop = loop
+    return _http
+
+
+def retry_after_s(response: httpx.Response, default: float = 1.0) -> float:
+    """The ``Retry-After`` of a response in seconds (delta form; HTTP dates fall back)."""
+    value = response.headers.get("retry-after", "")
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return default
+
+
+class ProviderClient:
+    """Base of every provider client.
+
+    Subclasses set ``name`` (also the prefix of their environment variables) and their
+    documented default limits; ``<NAME>_RATE``, ``<NAME>_BURST`` and ``<NAME>_CONCURRENCY``
+    override them per environment.
+    """
+
+    name: ClassVar[str]
+    default_rate: ClassVar[str] = "10/s"
+    default_burst: ClassVar[int] = 1
+    default_concurrency: ClassVar[int | None] = None
+
+    def __init__(self, base_url: str, *, env: Mapping[str, str] | None = None,
+                 redis: Any = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.env = os.environ if env is None else env
+        self._redis = redis
+        self._throttle: Any = None
+
+    @property
+    def throttle(self) -> Any:
+        """The provider's shared throttle (created on first use)."""
+        if self._throttle is None:
+            from usage_limits.throttle import ProviderThrottle
+
+            self._throttle = ProviderThrottle.from_env(
+                self._redis or runtime.get_redis(), self.name,
+                default_rate=self.default_rate, default_burst=self.default_burst,
+                default_concurrency=self.default_concurrency, env=self.env)
+        return self._throttle
+
+    async def request(self, method: str, path: str, *, cost: float = 1,
+                      json: Any = None, params: Mapping[str, Any] | None = None,
+                      headers: Mapping[str, str] | None = None) -> Any:
+        """Send one throttled request and return its JSON body.
+
+        Raises:
+            ProviderBusy: no slot (or no end to upstream 429s) within the deadline.
+            ProviderError: the provider failed, timed out or sent something unusable.
+        """
+        url = path if path.startswith("http") else f"{self.base_url}{path}"
+        for _ in range(MAX_RATE_LIMITED_RETRIES + 1):
+            async with self.throttle.slot(cost=cost):
+                left = remaining_s()
+                if left < MIN_CALL_S:
+                    raise ProviderBusy(self.name, 1.0, f"no time left to call {self.name}")
+                try:
+                    response = await http_client().request(
+                        method, url, json=json, params=params, headers=headers,
+                        timeout=min(DEFAULT_TIMEOUT_S, left))
+                except httpx.TimeoutException as exc:
+                    raise ProviderError(f"the {self.name} provider timed out",
+                                        provider=self.name) from exc
+                except httpx.HTTPError as exc:
+                    raise ProviderError(f"the {self.name} provider could not be reached",
+                                        provider=self.name) from exc
+            if response.status_code == 429:
+                wait = retry_after_s(response)
+                log.warning("%s answered 429; pausing every instance for %.2fs", self.name, wait)
+                await self.throttle.pause(wait)
+                if wait >= remaining_s() - MIN_CALL_S:
+                    raise ProviderBusy(self.name, wait)
+                continue
+            if response.is_success:
+                try:
+                    return response.json()
+                except ValueError as exc:
+                    raise ProviderError(f"the {self.name} provider sent a body that is not JSON",
+                                        provider=self.name) from exc
+            raise ProviderError(
+                f"the {self.name} provider answered {response.status_code}",
+                provider=self.name, upstream_status=response.status_code)
+        raise ProviderBusy(self.name, 1.0, f"the {self.name} provider keeps rate limiting")

@@ -1,0 +1,124 @@
+"""OpenAI-compatible chat completions (structured output) and embeddings.
+
+Any server that speaks the OpenAI API works: OpenAI, Ollama, vLLM, or the offline
+emulator. ``LLM_BASE_URL`` (default ``https://api.openai.com/v1``), ``LLM_MODEL``,
+``LLM_EMBEDDING_MODEL``, and the key from ``LLM_SECRET_ARN`` or ``LLM_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from usage_limits.web.errors import ProviderError
+
+from .base import ProviderClient
+from .secrets import provider_secret
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+DEFAULT_MODEL = "gpt-4o-mini"
+DEFAULT_EMBEDDING_MODEL = "text-embedding-3-small"
+SYSTEM_PROMPT = ("You answer with a single JSON value that is valid for the given JSON Schema. "
+                 "Do not add commentary.")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A structured answer: ``data`` is valid for the requested schema."""
+
+    data: Any
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class LLMClient(ProviderClient):
+    """Chat completions with ``response_format: json_schema``, and embeddings."""
+
+    name = "llm"
+    default_rate = "20/s"
+    default_burst = 2
+
+    def __init__(self, *, env: Mapping[str, str] | None = None, redis: Any = None) -> None:
+        env = os.environ if env is None else env
+        super().__init__(env.get("LLM_BASE_URL", DEFAULT_BASE_URL), env=env, redis=redis)
+        self.model = env.get("LLM_MODEL", DEFAULT_MODEL)
+        self.embedding_model = env.get("LLM_EMBEDDING_MODEL", DEFAULT_EMBEDDING_MODEL)
+
+    def _headers(self) -> dict[str, str]:
+        key = provider_secret(self.name, self.env).get("api_key", "")
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def structured(self, prompt: str, schema: dict[str, Any], *,
+                         model: str | None = None) -> Completion:
+        """Ask for a JSON value valid for ``schema``; the answer is checked before it returns.
+
+        Raises:
+            ProviderError: the provider failed, or its answer is not valid for the schema.
+            ProviderBusy: no provider slot within the deadline.
+        """
+        body = {
+            "model": model or self.model,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": prompt}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "result", "schema": schema}},
+        }
+        data = await self.request("POST", "/chat/completions", json=body, headers=self._headers())
+        try:
+            content = data["choices"][0]["message"]["content"]
+            value = json.loads(content)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ProviderError("the llm provider sent no usable answer", provider=self.name) from exc
+        _check(value, schema)
+        usage = data.get("usage") or {}
+        return Completion(value, str(data.get("model") or body["model"]),
+                          int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+
+    async def embed(self, texts: list[str], *, model: str | None = None,
+                    dimensions: int | None = None) -> tuple[list[list[float]], str, int]:
+        """Embeddings of ``texts`` in order: (vectors, model, prompt tokens).
+
+        Raises:
+            ProviderError: the provider failed or answered with the wrong number of vectors.
+            ProviderBusy: no provider slot within the deadline.
+        """
+        body: dict[str, Any] = {"model": model or self.embedding_model, "input": texts}
+        if dimensions:
+            body["dimensions"] = dimensions
+        data = await self.request("POST", "/embeddings", json=body, headers=self._headers())
+        try:
+            rows = sorted(data["data"], key=lambda row: row["index"])
+            vectors = [list(map(float, row["embedding"])) for row in rows]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProviderError("the llm provider sent malformed embeddings",
+                                provider=self.name) from exc
+        if len(vectors) != len(texts):
+            raise ProviderError("the llm provider sent the wrong number of embeddings",
+                                provider=self.name)
+        tokens = int((data.get("usage") or {}).get("prompt_tokens", 0))
+        return vectors, str(data.get("model") or body["model"]), tokens
+
+
+def _check(value: Any, schema: dict[str, Any]) -> None:
+    import jsonschema
+
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as exc:
+        raise ProviderError("the llm provider's answer does not match the schema",
+                            provider="llm", reason=exc.message[:200]) from exc
+
+
+_client: LLMClient | None = None
+
+
+def llm_client() -> LLMClient:
+    """The process's LLM client (settings read once)."""
+    global _client
+    if _client is None:
+        _client = LLMClient()
+    return _client

@@ -1,0 +1,25 @@
+"""FastAPI glue: ``create_app``, ``require_tokens`` and the public error contract."""
+
+from __future__ import annotations
+
+from .app import COMMON_RESPONSES, METERED_RESPONSES, create_app
+from .errors import (
+    ApiError,
+    BudgetExceeded,
+    IdempotencyConflict,
+    InvalidRequest,
+    LimiterUnavailableError,
+    PayloadTooLarge,
+    ProviderBusyError,
+    ProviderError,
+    Unauthorized,
+)
+from .guard import Charge, current_user, require_tokens
+from .settings import WebSettings, parse_plan, settings
+
+__all__ = [
+    "COMMON_RESPONSES", "METERED_RESPONSES", "ApiError", "BudgetExceeded", "Charge",
+    "IdempotencyConflict", "InvalidRequest", "LimiterUnavailableError", "PayloadTooLarge",
+    "ProviderBusyError", "ProviderError", "Unauthorized", "WebSettings", "create_app",
+    "current_user", "parse_plan", "require_tokens", "settings",
+]

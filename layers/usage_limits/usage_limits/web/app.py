@@ -1,0 +1,104 @@
+"""``create_app``: a FastAPI app with the project's error contract and usage limits wired in.
+
+Every function's ``app.py`` starts with ``app = create_app(...)`` and then declares only its
+routes and business logic.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ..exceptions import InvalidArgument, LimiterUnavailable, ProviderBusy
+from .errors import ApiError, error_response, retry_after_header
+from .middleware import UsageLimitsMiddleware
+
+log = logging.getLogger("usage_limits.web")
+
+_STATUS_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden",
+                 404: "not_found", 405: "method_not_allowed", 409: "idempotency_conflict",
+                 413: "payload_too_large", 415: "invalid_request", 422: "invalid_request",
+                 429: "budget_exceeded", 502: "provider_error", 503: "provider_busy"}
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    code: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorDetail
+
+
+def _doc(description: str) -> dict[str, Any]:
+    return {"model": ErrorBody, "description": description}
+
+
+#: Error responses every route may give; metered routes add 409, 429, 502, 503.
+COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _doc("invalid_request: malformed input"),
+    401: _doc("unauthorized: no authenticated user"),
+    413: _doc("payload_too_large: body above the cap"),
+    422: _doc("invalid_request: the body failed validation"),
+    500: _doc("internal_error"),
+    503: _doc("limiter_unavailable (Redis unreachable) or provider_busy"),
+}
+METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
+    409: _doc("idempotency_conflict: this Idempotency-Key was already used"),
+    429: _doc("budget_exceeded: the token budget is spent; see Retry-After"),
+    502: _doc("provider_error: the upstream provider failed; tokens refunded"),
+}
+
+
+def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
+    """A FastAPI app whose errors follow the public contract and whose charges are refunded."""
+    app = FastAPI(title=title, version=version, responses=COMMON_RESPONSES, **kwargs)
+    app.add_middleware(UsageLimitsMiddleware)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        details = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
+                   for e in exc.errors()]
+        return error_response(422, "invalid_request", "the request failed validation",
+                              details=jsonable_encoder(details))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _STATUS_CODES.get(exc.status_code, "error")
+        return error_response(exc.status_code, code, str(exc.detail),
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(LimiterUnavailable)
+    async def limiter_unavailable(_: Request, exc: LimiterUnavailable) -> JSONResponse:
+        log.warning("limiter unavailable: %s", exc)
+        return error_response(503, "limiter_unavailable",
+                              "the usage limiter is unavailable; try again shortly",
+                              headers=retry_after_header(1))
+
+    @app.exception_handler(ProviderBusy)
+    async def provider_busy(_: Request, exc: ProviderBusy) -> JSONResponse:
+        return error_response(503, "provider_busy",
+                              f"the {exc.provider} provider is at capacity; tokens refunded",
+                              headers=retry_after_header(exc.retry_after_s),
+                              retry_after_s=round(exc.retry_after_s, 3), provider=exc.provider)
+
+    @app.exception_handler(InvalidArgument)
+    async def invalid_argument(_: Request, exc: InvalidArgument) -> JSONResponse:
+        return error_response(400, "invalid_request", str(exc))
+
+    return app

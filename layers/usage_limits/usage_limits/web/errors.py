@@ -1,0 +1,86 @@
+"""The public error contract: ``{"error": {"code": ..., "message": ..., ...}}``.
+
+Every error response of every function goes through ``error_response``, so the codes and
+the shape are defined once:
+
+    ApiError
+     ├── Unauthorized          401 unauthorized
+     ├── InvalidRequest        400 invalid_request (422 for body validation)
+     ├── PayloadTooLarge       413 payload_too_large
+     ├── IdempotencyConflict   409 idempotency_conflict
+     ├── BudgetExceeded        429 budget_exceeded        (+ Retry-After)
+     ├── ProviderBusyError     503 provider_busy          (+ Retry-After)
+     ├── LimiterUnavailableError 503 limiter_unavailable
+     └── ProviderError         502 provider_error
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+
+class ApiError(Exception):
+    """An error with a status and a public code; ``extra`` goes into the error body."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None,
+                 **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+        self.extra = extra
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.code, self.message, headers=self.headers,
+                              **self.extra)
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "unauthorized"
+
+
+class InvalidRequest(ApiError):
+    status, code = 400, "invalid_request"
+
+
+class PayloadTooLarge(ApiError):
+    status, code = 413, "payload_too_large"
+
+
+class IdempotencyConflict(ApiError):
+    status, code = 409, "idempotency_conflict"
+
+
+class BudgetExceeded(ApiError):
+    status, code = 429, "budget_exceeded"
+
+
+class ProviderBusyError(ApiError):
+    status, code = 503, "provider_busy"
+
+
+class LimiterUnavailableError(ApiError):
+    status, code = 503, "limiter_unavailable"
+
+
+class ProviderError(ApiError):
+    """An upstream provider failed, timed out or answered something unusable."""
+
+    status, code = 502, "provider_error"
+
+
+def retry_after_header(seconds: float) -> dict[str, str]:
+    """``Retry-After`` in whole seconds, rounded up, at least 1."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def error_response(status: int, code: str, message: str, *,
+                   headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    """The one place that shapes an error body."""
+    return JSONResponse({"error": {"code": code, "message": message, **extra}},
+                        status_code=status, headers=headers)

@@ -1,0 +1,146 @@
+"""``require_tokens(cost)``: reserve a user's tokens before a route runs.
+
+    @app.post("/v1/structured", dependencies=[Depends(require_tokens(cost=8))])
+    async def structured(body: StructuredIn) -> StructuredOut: ...
+
+The dependency identifies the caller, reserves ``cost`` tokens under the request's id in
+one atomic script, and raises the public error when it cannot (429, 409, 401, 503). The
+refund is not done here: ``UsageLimitsMiddleware`` sees the final status of the response
+(a route may *return* a 5xx, which a dependency never sees) and refunds every charge whose
+request did not succeed. A route that learns its real cost can lower the charge:
+
+    async def route(charge: Charge = Depends(require_tokens(cost=10))):
+        ...
+        await charge.settle(3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+
+from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
+from . import identity, runtime
+from .errors import (
+    BudgetExceeded,
+    IdempotencyConflict,
+    LimiterUnavailableError,
+    retry_after_header,
+)
+from .settings import settings
+
+if TYPE_CHECKING:
+    from ..budget import Reservation, TokenBudget
+
+STATE_KEY = "usage_limits"
+
+
+@dataclass
+class Charge:
+    """Tokens held for one request: refunded by the middleware unless the request succeeds.
+
+    Attributes:
+        user_id: whose budget was charged.
+        request_id: the id the charge is tied to.
+        cost: tokens currently charged (lowered by ``settle``).
+        reservation: the ledger's answer at reservation time.
+    """
+
+    budget: TokenBudget = field(repr=False)
+    user_id: str
+    request_id: str
+    cost: int
+    reservation: Reservation = field(repr=False)
+
+    async def settle(self, actual_cost: int) -> None:
+        """Lower the charge to ``actual_cost`` (never raises it)."""
+        if actual_cost < self.cost:
+            await self.budget.settle(self.user_id, self.request_id, actual_cost=actual_cost)
+            self.cost = actual_cost
+
+    async def refund(self) -> bool:
+        """Give the tokens back; True when a charge was removed."""
+        refunded = await self.budget.refund(self.user_id, self.request_id)
+        self.cost = 0
+        return bool(refunded)
+
+
+@dataclass
+class RequestState:
+    """What the guard tells the middleware about one request."""
+
+    reservation: Reservation | None = None
+    charge: Charge | None = None
+    user_id: str | None = None
+    route_cost: int = 0
+
+
+def request_state(request: Request) -> RequestState:
+    """The per-request state the middleware created (a fresh one outside the middleware)."""
+    scope_state = request.scope.setdefault("state", {})
+    state = scope_state.get(STATE_KEY)
+    if state is None:
+        state = scope_state[STATE_KEY] = RequestState()
+    return state  # type: ignore[no-any-return]
+
+
+def current_user(request: Request) -> str:
+    """Dependency for free routes: the caller's id, or 401."""
+    user = identity.user_id(request)
+    request_state(request).user_id = user
+    return user
+
+
+def require_tokens(cost: int, *, route: str | None = None) -> Callable[[Request], Awaitable[Charge]]:
+    """A FastAPI dependency that reserves ``cost`` tokens before the route runs.
+
+    Args:
+        cost: tokens this route costs, a positive integer.
+        route: the name recorded on the spend event (default: the route's path).
+
+    Raises:
+        InvalidArgument: ``cost`` is not a positive integer (at import time).
+    """
+    if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
+        raise InvalidArgument(f"require_tokens: cost must be a positive integer, got {cost!r}")
+
+    async def reserve_tokens(request: Request) -> Charge:
+        state = request_state(request)
+        state.route_cost = cost
+        user = current_user(request)
+        rid = identity.request_id(request)
+        plan = settings().plan
+        budget = runtime.get_budget(plan)
+        name = route or getattr(request.scope.get("route"), "path", request.url.path)
+        try:
+            reservation = await budget.reserve(user, rid, cost=cost, route=name)
+        except LimiterUnavailable as exc:
+            raise LimiterUnavailableError(
+                "the usage limiter is unavailable; nothing was charged",
+                headers=retry_after_header(1)) from exc
+        except CostExceedsLimit as exc:
+            window_s = next((s for limit, s in plan if limit < cost), plan[-1][1])
+            raise BudgetExceeded(
+                f"this request costs {cost} tokens, more than your plan allows in a window",
+                headers=retry_after_header(window_s), retry_after_s=float(window_s),
+                limit=int(exc.limit), remaining=0, window_s=window_s, cost=cost) from exc
+        state.reservation = reservation
+        if not reservation.allowed:
+            raise BudgetExceeded(
+                f"token budget exceeded: this request costs {cost} tokens",
+                headers=retry_after_header(reservation.retry_after_s),
+                retry_after_s=round(reservation.retry_after_s, 3), limit=reservation.limit,
+                remaining=reservation.remaining, window_s=reservation.window_s, cost=cost)
+        if reservation.duplicate:
+            raise IdempotencyConflict(
+                "this Idempotency-Key was already used for a request that was charged; "
+                "use a new key for a new request")
+        state.charge = Charge(budget, user, rid, cost, reservation)
+        return state.charge
+
+    reserve_tokens.__name__ = f"require_tokens_{cost}"
+    reserve_tokens.cost = cost  # type: ignore[attr-defined]  # read by the price-list test
+    return reserve_tokens

@@ -1,0 +1,142 @@
+"""``UsageLimitsMiddleware``: the request boundary of every function.
+
+A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per request:
+
+1. sets the request deadline from the Lambda context (``scope["aws.context"]``);
+2. caps the body size (413 ``payload_too_large`` before any handler or charge);
+3. records the response status and adds the ``RateLimit-Policy``/``RateLimit`` headers;
+4. refunds the request's charge when it did not succeed: the route raised, or the
+   response status is 4xx/5xx (a ``yield`` dependency sees raised exceptions but not a
+   5xx that a route returns, which is why this lives here);
+5. turns any unhandled exception into the public 500 error body.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..deadline import deadline_scope, request_budget_s
+from .errors import error_response
+from .guard import STATE_KEY, RequestState
+from .settings import settings
+
+log = logging.getLogger("usage_limits.web")
+
+
+class UsageLimitsMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        conf = settings()
+        state = RequestState()
+        scope.setdefault("state", {})[STATE_KEY] = state
+        context = scope.get("aws.context")
+        remaining_ms = context.get_remaining_time_in_millis() if context is not None else None
+        with deadline_scope(request_budget_s(remaining_ms, conf.deadline_margin_s)):
+            body = await _read_body(scope, receive, conf.max_body_bytes)
+            if body is None:
+                await error_response(413, "payload_too_large",
+                                     f"request body is larger than {conf.max_body_bytes} bytes",
+                                     limit_bytes=conf.max_body_bytes)(scope, receive, send)
+                return
+            await self._run(scope, _replay(body, receive), send, state)
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send, state: RequestState) -> None:
+        status = 0
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if state.reservation is not None:
+                    refunding = state.charge is not None and status >= 400
+                    headers = list(message.get("headers", []))
+                    headers += _ratelimit_headers(state, refunding)
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if status == 0:
+                await error_response(500, "internal_error", "internal error")(
+                    scope, receive, send_with_headers)
+            status = status or 500
+        finally:
+            charge = state.charge
+            if charge is not None and (status >= 400 or status == 0):
+                try:
+                    await charge.refund()
+                except Exception:  # the response is already out; the charge stays
+                    log.exception("refund failed for request %s", charge.request_id)
+
+
+async def _read_body(scope: Scope, receive: Receive, cap: int) -> bytes | None:
+    """The whole request body, or None when it is larger than ``cap`` bytes."""
+    for name, value in scope.get("headers", []):
+        if name == b"content-length" and value.isdigit() and int(value) > cap:
+            return None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _label(seconds: int) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes, bytes]]:
+    """IETF ``RateLimit-Policy`` and ``RateLimit`` fields, one item per window, in tokens.
+
+    When the request failed and its charge is about to be refunded, ``r`` already counts the
+    refund, so the client sees what it really has left.
+    """
+    reservation = state.reservation
+    if reservation is None:
+        return []
+    give_back = state.charge.cost if (refunding and state.charge) else 0
+    now = time.time()
+    policies, limits = [], []
+    for w in reservation.windows:
+        label = _label(int(w.window_s))
+        policies.append(f'"{label}";q={w.limit};w={int(w.window_s)}')
+        remaining = min(w.limit, w.remaining + give_back)
+        reset = max(0, round(w.resets_at - now)) if w.resets_at else 0
+        limits.append(f'"{label}";r={remaining};t={reset}')
+    return [(b"ratelimit-policy", ", ".join(policies).encode()),
+            (b"ratelimit", ", ".join(limits).encode())]

@@ -1,0 +1,94 @@
+"""Settings of the web layer, read once from the environment into a frozen object.
+
+Every name here is documented in the README. Explicit arguments beat the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+
+from ..exceptions import InvalidArgument
+
+ATTO_ENV = "ATTO_ENV"                  # "local" enables the X-Atto-User header; anything else ignores it
+ATTO_BUDGET = "ATTO_BUDGET"            # the plan, e.g. "100/1h,1000/30d"
+ATTO_MAX_BODY_BYTES = "ATTO_MAX_BODY_BYTES"
+ATTO_DEADLINE_MARGIN_S = "ATTO_DEADLINE_MARGIN_S"
+
+DEFAULT_BUDGET = "100/1h,1000/30d"
+DEFAULT_MAX_BODY_BYTES = 256 * 1024
+DEFAULT_DEADLINE_MARGIN_S = 0.5
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_WINDOW = re.compile(r"\s*(\d+)\s*/\s*(\d*)\s*([smhd])\s*")
+
+
+def parse_plan(text: str) -> tuple[tuple[int, int], ...]:
+    """Parse ``"100/1h,1000/30d"`` into ``((100, 3600), (1000, 2592000))`` (limit, seconds).
+
+    Raises:
+        InvalidArgument: the text is not a comma-separated list of ``LIMIT/[N]UNIT``.
+    """
+    windows = []
+    for part in text.split(","):
+        match = _WINDOW.fullmatch(part)
+        if not match:
+            raise InvalidArgument(
+                f"{ATTO_BUDGET}: {part.strip()!r} is not LIMIT/[N]UNIT (units s, m, h, d), "
+                "e.g. 100/1h,1000/30d")
+        limit, count, unit = int(match[1]), int(match[2] or 1), match[3]
+        if limit <= 0 or count <= 0:
+            raise InvalidArgument(f"{ATTO_BUDGET}: {part.strip()!r} must be positive")
+        windows.append((limit, count * _UNITS[unit]))
+    if len({seconds for _, seconds in windows}) != len(windows):
+        raise InvalidArgument(f"{ATTO_BUDGET}: two windows have the same length in {text!r}")
+    return tuple(sorted(windows, key=lambda w: w[1]))
+
+
+@dataclass(frozen=True)
+class WebSettings:
+    """What the web layer needs from the environment.
+
+    Attributes:
+        local: True only when ``ATTO_ENV=local``; enables the ``X-Atto-User`` header.
+        plan: the budget windows as (limit, seconds), shortest first.
+        max_body_bytes: request bodies above this get 413 ``payload_too_large``.
+        deadline_margin_s: time kept back from the request deadline for refunds.
+    """
+
+    local: bool = False
+    plan: tuple[tuple[int, int], ...] = parse_plan(DEFAULT_BUDGET)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    deadline_margin_s: float = DEFAULT_DEADLINE_MARGIN_S
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WebSettings:
+        """Read the settings from ``env`` (default ``os.environ``).
+
+        Raises:
+            InvalidArgument: a value is malformed.
+        """
+        env = os.environ if env is None else env
+        try:
+            max_body = int(env.get(ATTO_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES))
+            margin = float(env.get(ATTO_DEADLINE_MARGIN_S, DEFAULT_DEADLINE_MARGIN_S))
+        except ValueError as exc:
+            raise InvalidArgument(f"malformed web setting: {exc}") from exc
+        if max_body <= 0 or margin < 0:
+            raise InvalidArgument(f"{ATTO_MAX_BODY_BYTES} must be > 0 and "
+                                  f"{ATTO_DEADLINE_MARGIN_S} >= 0")
+        return cls(
+            local=env.get(ATTO_ENV, "").strip().lower() == "local",
+            plan=parse_plan(env.get(ATTO_BUDGET, DEFAULT_BUDGET)),
+            max_body_bytes=max_body,
+            deadline_margin_s=margin,
+        )
+
+
+@cache
+def settings() -> WebSettings:
+    """The process-wide settings, read once per execution environment."""
+    return WebSettings.from_env()

@@ -1,0 +1,56 @@
+--[[ budget_refund.lua: lower or remove one request's charge (refund and settle).
+
+A charge is still counted by a window while its score is above that window's cursor; only
+those windows get tokens back. A window the event has already left gives nothing back (it
+stopped counting the event then). The charge can only go down: a new cost at or above the
+recorded one changes nothing. New cost 0 removes the event from the log (a full refund).
+Only the given user's keys are touched, so another user's request id is never found.
+
+KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
+KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)
+KEYS[3]  meta        hash: clk (ms), t:<W> (tokens), lo:<W> (ms); see budget_reserve.lua
+ARGV[1]  request_id  the charge's id
+ARGV[2]  new_cost    tokens the request really used (integer >= 0; 0 = refund it all)
+
+Returns 1 when the charge was lowered or removed, 0 when there was none to lower (unknown,
+expired or already refunded id, or new_cost >= the recorded cost).
+Keys keep the expiry set by the last reservation: this script only removes or lowers data.
+]]
+local log_key = KEYS[1]
+local ev_key = KEYS[2]
+local meta_key = KEYS[3]
+
+local request_id = ARGV[1]
+local new_cost = tonumber(ARGV[2])
+
+local score = redis.call('ZSCORE', log_key, request_id)
+if not score then return 0 end
+score = tonumber(score)
+
+local rec = redis.call('HGET', ev_key, request_id)
+local old_cost, rest = 0, ''
+if rec then
+  old_cost = tonumber(string.match(rec, '^%d+')) or 0
+  rest = string.match(rec, '^%d+(.*)$') or ''
+end
+if new_cost >= old_cost and new_cost > 0 then return 0 end
+
+local delta = old_cost - new_cost
+if delta > 0 then
+  local flat = redis.call('HGETALL', meta_key)
+  for i = 1, #flat, 2 do
+    local w = string.match(flat[i], '^lo:(%d+)$')
+    -- still counted by this window: give the difference back
+    if w and score > tonumber(flat[i + 1]) then
+      redis.call('HINCRBY', meta_key, 't:' .. w, string.format('%d', -delta))
+    end
+  end
+end
+
+if new_cost == 0 then
+  redis.call('ZREM', log_key, request_id)
+  redis.call('HDEL', ev_key, request_id)
+else
+  redis.call('HSET', ev_key, request_id, string.format('%d', new_cost) .. rest)
+end
+return 1

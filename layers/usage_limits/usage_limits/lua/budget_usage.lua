@@ -1,0 +1,169 @@
+--[[ budget_usage.lua: a user's current spend per window and the most recent spend events.
+
+Moves every window's running total up to now exactly as budget_reserve.lua does (the code
+between the BEGIN/END lines is the same in both files; a unit test checks it), so reading
+usage also retires expired events. A user with no keys gets zeros and nothing is written.
+
+KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
+KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)
+KEYS[3]  meta        hash: clk (ms), t:<W> (tokens), lo:<W> (ms); see budget_reserve.lua
+ARGV[1]  now_ms      caller's clock, ms since the epoch (integer)
+ARGV[2]  max_events  how many of the most recent events to return (integer >= 0)
+ARGV[3]  margin_ms   keys live this long past the longest window, ms (integer >= 0)
+ARGV[4.. ] window_ms lengths of the windows to report, ms, shortest first
+
+Returns {now_ms, used_1, resets_at_ms_1, used_2, resets_at_ms_2, ...,
+         then per event, most recent first: request_id, at_ms, record}
+  now_ms        the clock used: max(ARGV now_ms, clk)
+  used          tokens in the window now
+  resets_at_ms  when the oldest counted event leaves the window (now_ms when it is empty)
+  at_ms         (string) the event's time, ms since the epoch
+  record        (string) "<cost> <nonce> <route>", or false if the record is missing
+]]
+local log_key = KEYS[1]
+local ev_key = KEYS[2]
+local meta_key = KEYS[3]
+
+local now_arg = tonumber(ARGV[1])
+local max_events = tonumber(ARGV[2])
+local margin_ms = tonumber(ARGV[3])
+local call_windows = {}
+for i = 4, #ARGV do call_windows[#call_windows + 1] = tonumber(ARGV[i]) end
+
+-- BEGIN shared ledger code (identical in budget_reserve.lua and budget_usage.lua) --------
+local BATCH = 500 -- ids per ZRANGE/HMGET/HDEL call (stays far below Lua's unpack limit)
+
+-- Integers as plain digits: Lua would print large numbers as 1.7e+12.
+local function int(x) return string.format('%d', x) end
+
+-- Cost of one "<cost> <nonce> <route>" record; a missing record counts 0.
+local function record_cost(rec)
+  if not rec then return 0 end
+  return tonumber(string.match(rec, '^%d+')) or 0
+end
+
+-- Number of events scored <= ms, which is also the rank of the first event after ms.
+local function count_upto(ms)
+  return redis.call('ZCOUNT', log_key, '-inf', int(ms))
+end
+
+-- Sum of the current costs of the events ranked first..last (0-based, inclusive).
+local function sum_ranks(first, last)
+  local total = 0
+  for start = first, last, BATCH do
+    local ids = redis.call('ZRANGE', log_key, start, math.min(start + BATCH - 1, last))
+    if #ids > 0 then
+      local recs = redis.call('HMGET', ev_key, unpack(ids))
+      for i = 1, #recs do total = total + record_cost(recs[i]) end
+    end
+  end
+  return total
+end
+
+-- meta as {clk = ms, windows = {[W] = {total = tokens, lo = ms}}}; half-known windows dropped.
+local function load_meta()
+  local flat = redis.call('HGETALL', meta_key)
+  local m = {clk = 0, windows = {}}
+  local totals, cursors = {}, {}
+  for i = 1, #flat, 2 do
+    local field, value = flat[i], tonumber(flat[i + 1])
+    local kind, w = string.match(field, '^(%a+):(%d+)$')
+    if field == 'clk' then m.clk = value
+    elseif kind == 't' then totals[tonumber(w)] = value
+    elseif kind == 'lo' then cursors[tonumber(w)] = value end
+  end
+  for w, total in pairs(totals) do
+    if cursors[w] then m.windows[w] = {total = total, lo = cursors[w]} end
+  end
+  return m
+end
+
+-- Bring every window the user has (and every window of this call) up to `now`, then drop the
+-- events older than the longest one. Returns the longest window, ms.
+local function advance(m, now, wanted)
+  for _, w in ipairs(wanted) do
+    if not m.windows[w] then
+      -- First use of this window by this user (a plan change): count what the log still
+      -- holds, once. This one call costs O(events in the window); later calls do not.
+      local b = now - w
+      m.windows[w] = {total = sum_ranks(count_upto(b), redis.call('ZCARD', log_key) - 1), lo = b}
+    end
+  end
+  local longest = 0
+  for w, s in pairs(m.windows) do
+    local b = now - w
+    if s.lo < b then
+      -- events in (lo, b] have left the window since the last call: subtract each once
+      s.total = s.total - sum_ranks(count_upto(s.lo), count_upto(b) - 1)
+      s.lo = b
+    end
+    if w > longest then longest = w end
+  end
+  -- Events older than the longest window are out of every total (each cursor is past them).
+  local old = count_upto(now - longest)
+  for start = 0, old - 1, BATCH do
+    local ids = redis.call('ZRANGE', log_key, start, math.min(start + BATCH - 1, old - 1))
+    redis.call('HDEL', ev_key, unpack(ids))
+  end
+  if old > 0 then redis.call('ZREMRANGEBYRANK', log_key, 0, old - 1) end
+  return longest
+end
+
+-- Store the clock, totals and cursors; every key lives margin_ms past the longest window.
+local function save_meta(m, now, longest)
+  local fields = {'clk', int(now)}
+  for w, s in pairs(m.windows) do
+    fields[#fields + 1] = 't:' .. int(w)
+    fields[#fields + 1] = int(s.total)
+    fields[#fields + 1] = 'lo:' .. int(w)
+    fields[#fields + 1] = int(s.lo)
+  end
+  redis.call('HSET', meta_key, unpack(fields))
+  local ttl = int(longest + margin_ms)
+  redis.call('PEXPIRE', log_key, ttl)
+  redis.call('PEXPIRE', ev_key, ttl)
+  redis.call('PEXPIRE', meta_key, ttl)
+end
+
+-- When the oldest event still inside the window leaves it (now when the window is empty).
+local function resets_at(now, w)
+  local first = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(now - w), '+inf',
+                           'WITHSCORES', 'LIMIT', 0, 1)
+  if #first == 0 then return now end
+  return tonumber(first[2]) + w
+end
+-- END shared ledger code ------------------------------------------------------------------
+
+if redis.call('EXISTS', log_key, meta_key) == 0 then
+  local out = {now_arg}
+  for _ = 1, #call_windows do
+    out[#out + 1] = 0
+    out[#out + 1] = now_arg
+  end
+  return out
+end
+
+local m = load_meta()
+local now = math.max(now_arg, m.clk)
+local longest = advance(m, now, call_windows)
+save_meta(m, now, longest)
+
+local out = {now}
+for _, w in ipairs(call_windows) do
+  out[#out + 1] = m.windows[w].total
+  out[#out + 1] = resets_at(now, w)
+end
+if max_events > 0 then
+  local items = redis.call('ZRANGE', log_key, 0, max_events - 1, 'REV', 'WITHSCORES')
+  if #items > 0 then
+    local ids = {}
+    for i = 1, #items, 2 do ids[#ids + 1] = items[i] end
+    local recs = redis.call('HMGET', ev_key, unpack(ids))
+    for i = 1, #ids do
+      out[#out + 1] = ids[i]
+      out[#out + 1] = items[2 * i]
+      out[#out + 1] = recs[i]
+    end
+  end
+end
+return out

@@ -14,7 +14,12 @@ app = create_app("Atto Cloud: usage")
 #: Tokens per metered route. Each route declares the same number in its
 #: ``require_tokens(cost=...)``; a test keeps the two in step.
 PRICES: dict[str, int] = {
+    "POST /v1/embeddings": 1,
+    "GET /v1/salary": 2,
     "POST /v1/structured": 8,
+    "POST /v1/job-extraction": 10,
+    "POST /v1/company-research": 20,
+    "POST /v1/market-context": 30,
 }
 
 

@@ -1,0 +1,45 @@
+"""The local stack: what ``make serve`` and ``make invoke`` start when nothing is configured.
+
+With ``REDIS_URL`` unset a private redis-server is started; with ``LLM_BASE_URL`` unset the
+offline provider emulator is started and every provider's base URL and key point at it.
+Local mode (``ATTO_ENV=local``) is always on here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from .redis_servers import RedisServer
+
+#: Where each provider family lives on the emulator (see local/emulator).
+EMULATOR_ROUTES = {
+    "LLM_BASE_URL": "/v1",
+    "SALARY_BASE_URL": "/adzuna",
+    "SEARCH_BASE_URL": "/tavily",
+}
+EMULATOR_KEYS = {"LLM_API_KEY": "local-key", "SALARY_APP_ID": "local-id",
+                 "SALARY_APP_KEY": "local-key", "SEARCH_API_KEY": "local-key"}
+
+
+@contextlib.contextmanager
+def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """Start what is missing, export its settings into ``os.environ``, yield what was set."""
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    started: dict[str, str] = {"ATTO_ENV": "local"}
+    with contextlib.ExitStack() as stack:
+        if not env.get("REDIS_URL"):
+            server = stack.enter_context(RedisServer())
+            started["REDIS_URL"] = server.url
+        if not env.get("LLM_BASE_URL"):
+            from .emulator import EmulatorProcess
+
+            emulator = stack.enter_context(EmulatorProcess())
+            for name, suffix in EMULATOR_ROUTES.items():
+                started.setdefault(name, env.get(name) or emulator.url + suffix)
+            for name, value in EMULATOR_KEYS.items():
+                started.setdefault(name, env.get(name) or value)
+            started["EMULATOR_URL"] = emulator.url
+        env.update(started)
+        yield started

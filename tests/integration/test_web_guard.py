@@ -1,0 +1,265 @@
+"""require_tokens and the middleware, through a real Mangum handler and a real redis-server."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi import Depends
+from fastapi.responses import JSONResponse
+from mangum import Mangum
+from pydantic import BaseModel
+
+from local.redis_servers import RedisServer
+from local.lambda_events import FakeContext, http_event, invoke, lambda_loop
+from usage_limits.deadline import remaining_s
+from usage_limits.web import Charge, create_app, current_user, require_tokens, settings
+from usage_limits.web import runtime
+from usage_limits.web.runtime import get_budget
+
+calls: list[str] = []
+
+
+class Item(BaseModel):
+    n: int
+
+
+def build_app() -> Any:
+    app = create_app("guard test")
+
+    @app.post("/ok", dependencies=[Depends(require_tokens(cost=5))])
+    async def ok() -> dict[str, Any]:
+        calls.append("ok")
+        return {"ok": True, "deadline_s": remaining_s(default=-1)}
+
+    @app.post("/raises", dependencies=[Depends(require_tokens(cost=5))])
+    async def raises() -> dict[str, Any]:
+        calls.append("raises")
+        raise RuntimeError("boom")
+
+    @app.post("/returns-502", dependencies=[Depends(require_tokens(cost=5))])
+    async def returns_502() -> JSONResponse:
+        calls.append("returns-502")
+        return JSONResponse({"error": {"code": "provider_error", "message": "x"}}, status_code=502)
+
+    @app.post("/validated", dependencies=[Depends(require_tokens(cost=5))])
+    async def validated(item: Item) -> dict[str, int]:
+        calls.append("validated")
+        return {"n": item.n}
+
+    @app.post("/settles")
+    async def settles(charge: Charge = Depends(require_tokens(cost=10))) -> dict[str, int]:
+        await charge.settle(3)
+        return {"cost": charge.cost}
+
+    @app.get("/used")
+    async def used(user: str = Depends(current_user)) -> dict[str, int]:
+        report = await get_budget(settings().plan).usage(user)
+        return {"used": report.windows[0].used}
+
+    return Mangum(app, lifespan="off")
+
+
+@pytest.fixture
+def web(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer) -> Iterator[Any]:
+    """A guarded test app over the session's redis-server, with a 20-token hourly plan."""
+    monkeypatch.setenv("REDIS_URL", redis_server.url)
+    monkeypatch.setenv("ATTO_BUDGET", "20/1h")
+    monkeypatch.delenv("ATTO_ENV", raising=False)
+    settings.cache_clear()
+    runtime.set_redis(None)
+    calls.clear()
+    with lambda_loop():
+        yield build_app()
+    settings.cache_clear()
+    runtime.set_redis(None)
+
+
+def used(handler: Any, user: str) -> int:
+    return invoke(handler, http_event("GET", "/used", user=user)).body["used"]
+
+
+def test_allowed_request_is_charged_and_carries_ratelimit_headers(web: Any) -> None:
+    """A 200 charges the route's cost and reports the remaining tokens in IETF headers."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/ok", body={}, user=user))
+    assert res.status == 200
+    assert res.headers["ratelimit-policy"] == '"1h";q=20;w=3600'
+    assert res.headers["ratelimit"].startswith('"1h";r=15;t=')
+    assert used(web, user) == 5
+
+
+def test_over_budget_gets_429_with_retry_after_and_fields(web: Any) -> None:
+    """The request that does not fit gets 429 budget_exceeded with every documented field."""
+    user = uuid.uuid4().hex
+    for _ in range(4):
+        assert invoke(web, http_event("POST", "/ok", body={}, user=user)).status == 200
+    res = invoke(web, http_event("POST", "/ok", body={}, user=user))
+    assert res.status == 429
+    err = res.body["error"]
+    assert err["code"] == "budget_exceeded"
+    assert err["limit"] == 20 and err["remaining"] == 0 and err["window_s"] == 3600
+    assert 3590 < err["retry_after_s"] <= 3600
+    assert 3590 < int(res.headers["retry-after"]) <= 3601
+    assert res.headers["ratelimit"].startswith('"1h";r=0;')
+    assert calls == ["ok"] * 4
+    assert used(web, user) == 20
+
+
+def test_raised_error_is_refunded_and_shaped(web: Any) -> None:
+    """A route that raises answers 500 in the error shape and gives the tokens back."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/raises", body={}, user=user))
+    assert res.status == 500
+    assert res.body == {"error": {"code": "internal_error", "message": "internal error"}}
+    assert calls == ["raises"]
+    assert used(web, user) == 0
+
+
+def test_returned_5xx_is_refunded(web: Any) -> None:
+    """A 5xx that the route returns (not raises) is refunded too, and r counts the refund."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/returns-502", body={}, user=user))
+    assert res.status == 502
+    assert res.headers["ratelimit"].startswith('"1h";r=20;')
+    assert used(web, user) == 0
+
+
+def test_invalid_body_is_refunded_with_invalid_request(web: Any) -> None:
+    """Body validation fails after the reservation; the 422 says invalid_request and refunds."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/validated", body={"n": "not a number"}, user=user))
+    assert res.status == 422
+    assert res.body["error"]["code"] == "invalid_request"
+    assert res.body["error"]["details"][0]["loc"] == ["body", "n"]
+    assert calls == []
+    assert used(web, user) == 0
+
+
+def test_no_identity_is_401_and_runs_nothing(web: Any) -> None:
+    """Without JWT claims the request is 401 unauthorized and no route runs."""
+    res = invoke(web, http_event("POST", "/ok", body={}, user=None))
+    assert res.status == 401
+    assert res.body["error"]["code"] == "unauthorized"
+    assert calls == []
+
+
+def test_local_user_header_is_ignored_outside_local_mode(web: Any) -> None:
+    """X-Atto-User names nobody unless ATTO_ENV=local."""
+    event = http_event("POST", "/ok", body={}, user=None, headers={"X-Atto-User": "mallory"})
+    assert invoke(web, event).status == 401
+
+
+def test_local_user_header_works_in_local_mode(web: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In local mode X-Atto-User identifies the caller."""
+    monkeypatch.setenv("ATTO_ENV", "local")
+    settings.cache_clear()
+    user = uuid.uuid4().hex
+    event = http_event("POST", "/ok", body={}, user=None, headers={"X-Atto-User": user})
+    assert invoke(web, event).status == 200
+    assert used(web, user) == 5
+
+
+def test_jwt_wins_over_local_header(web: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even in local mode a JWT subject is never overridden by the header."""
+    monkeypatch.setenv("ATTO_ENV", "local")
+    settings.cache_clear()
+    user, other = uuid.uuid4().hex, uuid.uuid4().hex
+    event = http_event("POST", "/ok", body={}, user=user, headers={"X-Atto-User": other})
+    assert invoke(web, event).status == 200
+    assert used(web, user) == 5 and used(web, other) == 0
+
+
+def test_repeated_idempotency_key_is_charged_once(web: Any) -> None:
+    """The same Idempotency-Key from the same user charges once; the repeat is 409."""
+    user, key = uuid.uuid4().hex, str(uuid.uuid4())
+    first = invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                   headers={"Idempotency-Key": key}))
+    second = invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                    headers={"Idempotency-Key": key}))
+    assert first.status == 200
+    assert second.status == 409 and second.body["error"]["code"] == "idempotency_conflict"
+    assert calls == ["ok"]
+    assert used(web, user) == 5
+
+
+def test_idempotency_key_is_scoped_to_the_user(web: Any) -> None:
+    """Another user's use of the same key neither blocks nor charges this user."""
+    alice, bob, key = uuid.uuid4().hex, uuid.uuid4().hex, "shared-key"
+    assert invoke(web, http_event("POST", "/ok", body={}, user=alice,
+                                  headers={"Idempotency-Key": key})).status == 200
+    assert invoke(web, http_event("POST", "/ok", body={}, user=bob,
+                                  headers={"Idempotency-Key": key})).status == 200
+    assert used(web, alice) == 5 and used(web, bob) == 5
+
+
+def test_failed_request_can_be_retried_with_the_same_key(web: Any) -> None:
+    """A refunded attempt does not block a retry under the same Idempotency-Key."""
+    user, key = uuid.uuid4().hex, "retry-me"
+    assert invoke(web, http_event("POST", "/raises", body={}, user=user,
+                                  headers={"Idempotency-Key": key})).status == 500
+    assert invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                  headers={"Idempotency-Key": key})).status == 200
+    assert used(web, user) == 5
+
+
+@pytest.mark.parametrize("key", ["", "x" * 129, "tab\there", "naïve"])
+def test_malformed_idempotency_key_is_400(web: Any, key: str) -> None:
+    """Empty, too long or non-printable-ASCII keys get 400 invalid_request, nothing charged."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                 headers={"Idempotency-Key": key}))
+    assert res.status == 400 and res.body["error"]["code"] == "invalid_request"
+    assert used(web, user) == 0
+
+
+def test_oversized_body_is_413_and_charges_nothing(web: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body above ATTO_MAX_BODY_BYTES is refused before any charge or route."""
+    monkeypatch.setenv("ATTO_MAX_BODY_BYTES", "1000")
+    settings.cache_clear()
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/ok", raw_body="x" * 1001, user=user))
+    assert res.status == 413 and res.body["error"]["code"] == "payload_too_large"
+    assert calls == []
+    assert used(web, user) == 0
+
+
+def test_settle_lowers_the_charge(web: Any) -> None:
+    """A route may settle a lower actual cost than it reserved."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/settles", body={}, user=user))
+    assert res.status == 200 and res.body == {"cost": 3}
+    assert used(web, user) == 3
+
+
+def test_deadline_comes_from_the_lambda_context(web: Any) -> None:
+    """The route sees a deadline no later than the Lambda's remaining time minus the margin."""
+    res = invoke(web, http_event("POST", "/ok", body={}, user=uuid.uuid4().hex),
+                 FakeContext(timeout_s=3.0))
+    assert 0 < res.body["deadline_s"] <= 2.5
+
+
+def test_redis_down_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Redis stopped the request gets 503 limiter_unavailable and no route runs."""
+    server = RedisServer().start()
+    monkeypatch.setenv("REDIS_URL", server.url)
+    monkeypatch.setenv("ATTO_BUDGET", "20/1h")
+    settings.cache_clear()
+    runtime.set_redis(None)
+    calls.clear()
+    try:
+        with lambda_loop():
+            handler = build_app()
+            assert invoke(handler, http_event("POST", "/ok", body={})).status == 200
+            server.stop(kill=True)
+            res = invoke(handler, http_event("POST", "/ok", body={}))
+            assert res.status == 503
+            assert res.body["error"]["code"] == "limiter_unavailable"
+            assert "retry-after" in res.headers
+            assert calls == ["ok"]
+    finally:
+        server.close()
+        settings.cache_clear()
+        runtime.set_redis(None)

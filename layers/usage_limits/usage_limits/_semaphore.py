@@ -1,0 +1,244 @@
+"""The in-flight cap of a provider: a leased semaphore in Redis with an arrival-order queue.
+
+Every holder owns a lease that expires by itself after ``lease_s``, so a holder killed by
+``kill -9`` or a Lambda timeout (which runs no ``finally``) frees its place without running
+any code. Callers that cannot have a lease join a queue ordered by arrival; a caller is
+granted only when it is among the first ``free`` queued callers (see
+``lua/throttle_lease_acquire.lua``). A queued caller keeps its entry alive by re-checking at
+least every ``WAITER_TTL_S / 3``; a dead waiter leaves the queue on its own.
+
+Waking up: a release publishes on the provider's channel. On a standalone client, one
+subscription per process and provider (alive only while somebody waits) turns messages
+into wake-ups; waiters treat them as hints and always re-check with the script. Cluster
+clients (and a subscription that failed) poll instead, with a bounded interval, and never
+later than the moment enough leases expire for their turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._scripts import script
+from .exceptions import LimiterUnavailable, ProviderBusy
+from .keys import provider_keys
+
+if TYPE_CHECKING:
+    from ._scripts import AnyRedis
+
+log = logging.getLogger(__name__)
+
+#: A queued caller that stops re-checking for this long leaves the queue.
+WAITER_TTL_S = 2.0
+#: Longest sleep between re-checks when pub/sub wakes the waiter (a safety net only).
+SUBSCRIBED_POLL_S = 0.5
+#: Polling without pub/sub: this much per place still missing, at most POLL_MAX_S.
+POLL_STEP_S = 0.02
+POLL_MAX_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseCheck:
+    """One answer of ``throttle_lease_acquire.lua``.
+
+    Attributes:
+        granted: the lease is held now.
+        rank: 0-based place in the queue, -1 when not queued.
+        free: leases free at the time of the check (may be <= 0).
+        expiry_at: epoch seconds by which enough leases expire for this caller's turn, at the
+            latest (None when unknown).
+    """
+
+    granted: bool
+    rank: int
+    free: int
+    expiry_at: float | None
+
+    @property
+    def missing(self) -> int:
+        """Places that must still free up before this caller's turn (>= 1 when waiting)."""
+        return max(1, self.rank - self.free + 1)
+
+
+class LeaseSemaphore:
+    """At most ``limit`` leases of one provider held at once, across every instance."""
+
+    def __init__(self, client: AnyRedis, provider: str, limit: int, lease_s: float) -> None:
+        self.provider = provider
+        self.limit = limit
+        self.lease_s = lease_s
+        self._client = client
+        # Cluster safety: every key (and the channel name) carries the provider's hash tag.
+        self._keys = provider_keys(provider, "leases", "waiters", "wexpiry")
+        [self._channel] = provider_keys(provider, "free")
+        self._wakeups = _Wakeups(client, self._channel) if _has_pubsub(client) else None
+
+    async def acquire(self, deadline: float) -> str:
+        """Take a lease, waiting in arrival order until ``deadline`` (event-loop time).
+
+        Returns:
+            The lease id, for ``release``.
+
+        Raises:
+            ProviderBusy: no lease could be had before the deadline.
+            LimiterUnavailable: Redis failed.
+        """
+        loop = asyncio.get_running_loop()
+        lease_id = uuid.uuid4().hex
+        queue = deadline > loop.time()
+        check = await self._check(lease_id, queue=queue)
+        if check.granted:
+            return lease_id
+        if not queue:
+            raise self._busy(check)
+        try:
+            async with self._listening() as wakeups:
+                while True:
+                    seen = wakeups.count if wakeups else 0
+                    check = await self._check(lease_id, queue=True)
+                    if check.granted:
+                        return lease_id
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise self._busy(check)
+                    pause = min(left, WAITER_TTL_S / 3,
+                                SUBSCRIBED_POLL_S if wakeups else
+                                min(POLL_MAX_S, POLL_STEP_S * check.missing))
+                    if check.expiry_at is not None:
+                        pause = min(pause, max(0.001, check.expiry_at - time.time() + 0.001))
+                    if wakeups:
+                        await wakeups.wait(seen + check.missing, pause)
+                    else:
+                        await asyncio.sleep(pause)
+        except BaseException:
+            # Leave the queue (and give back a lease granted in a reply we never read).
+            await self.release(lease_id)
+            raise
+
+    async def release(self, lease_id: str) -> bool:
+        """Give back a lease (or leave the queue) and wake the waiters.
+
+        Failures are logged, not raised: the lease expires by itself after ``lease_s``.
+
+        Returns:
+            True when a live lease was released.
+        """
+        try:
+            released = await script("throttle_lease_release")(
+                self._client, self._keys, [lease_id, self._channel])
+        except LimiterUnavailable as exc:
+            log.warning("could not release a %s lease (it expires by itself): %s",
+                        self.provider, exc)
+            return False
+        return bool(released)
+
+    async def _check(self, lease_id: str, *, queue: bool) -> LeaseCheck:
+        reply = await script("throttle_lease_acquire")(self._client, self._keys, [
+            f"{time.time() * 1000:.3f}", self.limit, f"{self.lease_s * 1000:.3f}", lease_id,
+            f"{WAITER_TTL_S * 1000:.0f}", 1 if queue else 0])
+        expiry = reply[3]
+        return LeaseCheck(granted=bool(int(reply[0])), rank=int(reply[1]), free=int(reply[2]),
+                          expiry_at=float(expiry) / 1000 if expiry else None)
+
+    def _busy(self, check: LeaseCheck) -> ProviderBusy:
+        if check.expiry_at is not None:
+            retry_after = max(0.001, check.expiry_at - time.time())
+        else:
+            retry_after = self.lease_s
+        return ProviderBusy(self.provider, retry_after,
+                            f"provider {self.provider!r} has {self.limit} calls in flight; "
+                            f"retry after {retry_after:.3f}s")
+
+    @contextlib.asynccontextmanager
+    async def _listening(self) -> AsyncIterator[_Wakeups | None]:
+        if self._wakeups is None:
+            yield None
+            return
+        async with self._wakeups.session() as subscribed:
+            yield self._wakeups if subscribed else None
+
+
+def _has_pubsub(client: Any) -> bool:
+    """Pub/sub wake-ups on standalone clients; cluster clients poll."""
+    from redis.asyncio import Redis
+
+    return isinstance(client, Redis)
+
+
+class _Wakeups:
+    """One subscription per process and provider, shared by its waiters while any waits.
+
+    ``count`` is the number of release messages seen; a waiter that needs ``n`` more places
+    sleeps until ``count`` grew by ``n`` (or its poll interval passed), then re-checks.
+    """
+
+    def __init__(self, client: Any, channel: str) -> None:
+        self._client = client
+        self._channel = channel
+        self.count = 0
+        self._users = 0
+        self._task: asyncio.Task[None] | None = None
+        self._ready: asyncio.Future[bool] | None = None
+        self._event: asyncio.Event | None = None
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[bool]:
+        """Be subscribed inside the block; yields False when subscribing failed (poll)."""
+        self._users += 1
+        try:
+            if self._task is None or self._ready is None:
+                self._ready = asyncio.get_running_loop().create_future()
+                self._event = asyncio.Event()
+                self._task = asyncio.create_task(self._listen(self._ready))
+            # Subscribed before the waiter's next check: no release can fall in between.
+            yield await asyncio.shield(self._ready)
+        finally:
+            self._users -= 1
+            if self._users == 0 and self._task is not None:
+                self._task.cancel()
+                self._task = None
+                self._ready = None
+
+    async def wait(self, target: int, for_s: float) -> None:
+        """Sleep until ``count >= target`` or ``for_s`` seconds passed."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + for_s
+        while self.count < target and self._event is not None:
+            left = end - loop.time()
+            if left <= 0:
+                return
+            event = self._event
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await event.wait()
+
+    async def _listen(self, ready: asyncio.Future[bool]) -> None:
+        pubsub = self._client.pubsub()
+        try:
+            await pubsub.subscribe(self._channel)
+            while True:
+                message = await pubsub.get_message(timeout=None)
+                if message is None:
+                    continue
+                if message["type"] == "subscribe" and not ready.done():
+                    ready.set_result(True)
+                elif message["type"] == "message":
+                    self.count += 1
+                    event, self._event = self._event, asyncio.Event()
+                    if event is not None:
+                        event.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # waiters fall back to polling; the scripts report outages
+            log.debug("wake-up subscription to %s failed: %s", self._channel, exc)
+        finally:
+            if not ready.done():
+                ready.set_result(False)
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()

@@ -1,0 +1,86 @@
+--[[ throttle_lease_acquire.lua: take an in-flight lease of a provider, in arrival order.
+
+A leased semaphore: every holder has a lease that expires on its own, so a holder that is
+killed (kill -9, a Lambda timeout) frees its place after lease_ms without running any code.
+Callers that cannot have a lease yet wait in a queue ordered by arrival (a ticket); a caller
+is granted only when it is among the first `free` queued callers, so nobody overtakes. A
+queued caller must come back (call again) before its queue entry expires, so a dead waiter
+blocks nobody for longer than waiter_ttl_ms.
+
+KEYS[1]  leases    zset: lease id -> lease expiry, ms since the epoch
+KEYS[2]  waiters   zset: lease id -> ticket (arrival order)
+KEYS[3]  wexpiry   zset: lease id -> queue entry expiry, ms since the epoch
+ARGV[1]  now_ms         caller's clock, ms since the epoch (float)
+ARGV[2]  limit          max_concurrency: leases that may be held at once (>= 1)
+ARGV[3]  lease_ms       lease length, ms
+ARGV[4]  id             the caller's lease id (random; the same on every call of one wait)
+ARGV[5]  waiter_ttl_ms  how long a queue entry lives without the caller coming back, ms
+ARGV[6]  queue          1: join (or stay in) the queue when not granted; 0: try only
+
+Returns {granted, rank, free, expiry_ms}:
+  granted    1 when the lease was taken (the caller now holds it until released or expired)
+  rank       0-based place in the queue (-1 when not queued)
+  free       leases free now (limit minus live leases; may be <= 0)
+  expiry_ms  (string) when enough live leases will have expired for this caller's turn,
+             at the latest (the caller polls by then), "" when not known
+]]
+local leases, waiters, wexpiry = KEYS[1], KEYS[2], KEYS[3]
+local now = tonumber(ARGV[1])
+local limit = tonumber(ARGV[2])
+local lease_ms = tonumber(ARGV[3])
+local id = ARGV[4]
+local waiter_ttl = tonumber(ARGV[5])
+local queue = ARGV[6] == '1'
+
+-- Keys expire after their newest entry; never shorten a longer expiry.
+local function keep(key, ms)
+  if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, ms) end
+end
+
+-- Expired leases (dead holders) and expired queue entries (dead waiters) free their place.
+redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+local dead = redis.call('ZRANGEBYSCORE', wexpiry, '-inf', now, 'LIMIT', 0, 1000)
+if #dead > 0 then
+  redis.call('ZREM', waiters, unpack(dead))
+  redis.call('ZREM', wexpiry, unpack(dead))
+end
+
+local held = redis.call('ZCARD', leases)
+local free = limit - held
+local rank = redis.call('ZRANK', waiters, id)
+if not rank then
+  -- A new arrival queues behind everyone already waiting.
+  rank = redis.call('ZCARD', waiters)
+  if rank >= free and queue then
+    local last = redis.call('ZRANGE', waiters, -1, -1, 'WITHSCORES')
+    local ticket = 1
+    if last[2] then ticket = tonumber(last[2]) + 1 end
+    redis.call('ZADD', waiters, ticket, id)
+  end
+end
+
+if rank < free then
+  redis.call('ZREM', waiters, id)
+  redis.call('ZREM', wexpiry, id)
+  redis.call('ZADD', leases, now + lease_ms, id)
+  keep(leases, math.ceil(lease_ms) + 1000)
+  return {1, -1, free - 1, ''}
+end
+
+if not queue then
+  return {0, -1, free, ''}
+end
+
+redis.call('ZADD', wexpiry, now + waiter_ttl, id)
+keep(waiters, math.ceil(waiter_ttl) + 1000)
+keep(wexpiry, math.ceil(waiter_ttl) + 1000)
+-- This caller needs (rank - free + 1) more places; the leases that expire first give them
+-- at the latest.
+local need = rank - free + 1
+local expiry = ''
+if held > 0 then
+  local nth = redis.call('ZRANGE', leases, math.min(need, held) - 1, math.min(need, held) - 1,
+                         'WITHSCORES')
+  if nth[2] then expiry = nth[2] end
+end
+return {0, rank, free, expiry}

@@ -1,0 +1,446 @@
+"""Distributed provider throttle: one shared rate (and in-flight cap) per upstream provider.
+
+Every Lambda instance asks Redis for the next free slot of the provider with one script call
+(``lua/throttle_acquire.lua``, GCRA): the script reserves the earliest slot that respects
+``rate`` per ``per_s`` with bursts of ``burst``, but only when the caller can wait for it,
+and returns the delay; the caller sleeps until its slot. Reservations are ordered by arrival
+(FIFO), exact across any number of instances, and need no long-running loop. A request whose
+slot lies past its wait limit (by default the request's deadline) reserves nothing and gets
+``ProviderBusy`` with a true ``retry_after_s``.
+
+Example:
+    >>> llm = ProviderThrottle.from_env(redis, "llm", default_rate="20/s")
+    >>> async with llm.slot(cost=1) as waited_s:     # ProviderBusy when no slot in time
+    ...     reply = await call_upstream()
+    >>> await llm.pause(30)                           # upstream said 429: every instance waits
+
+Provider clients usually wrap their public methods with ``@throttled(...)`` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+from . import deadline
+from ._scripts import script
+from .exceptions import CostExceedsLimit, InvalidArgument, ProviderBusy
+from .keys import provider_keys
+
+if TYPE_CHECKING:
+    from ._scripts import AnyRedis
+    from ._semaphore import LeaseSemaphore
+
+__all__ = ["Admission", "ProviderThrottle", "UpstreamRateLimited", "parse_rate", "throttled"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: Suffixes of the environment variables read by ``ProviderThrottle.from_env``.
+ENV_RATE, ENV_BURST, ENV_CONCURRENCY = "_RATE", "_BURST", "_CONCURRENCY"
+#: Cooldown used when an upstream 429 carried no Retry-After.
+DEFAULT_PAUSE_S = 1.0
+#: ``asyncio.sleep`` wakes up to ~1 ms late (epoll rounds up to whole ms) and later under
+#: load; the last part of a wait is spent yielding to the loop until the slot's time.
+SPIN_S = 0.002
+
+_UNITS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "hour": 3600.0}
+_RATE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)?\s*([a-z]+)\s*")
+
+
+class UpstreamRateLimited(Exception):
+    """Raised by a provider client when the upstream answered 429 (or says "slow down").
+
+    ``ProviderThrottle.call`` and ``@throttled`` catch it, pause the provider for every
+    instance for ``retry_after_s`` and retry within the request's deadline; when they cannot,
+    they raise ``ProviderBusy`` from it.
+
+    Attributes:
+        retry_after_s: the upstream's Retry-After in seconds (``DEFAULT_PAUSE_S`` if absent).
+    """
+
+    def __init__(self, retry_after_s: float | None = None, message: str | None = None) -> None:
+        if retry_after_s is None or not math.isfinite(retry_after_s) or retry_after_s < 0:
+            retry_after_s = DEFAULT_PAUSE_S
+        super().__init__(message or f"upstream rate limited; retry after {retry_after_s:.3f}s")
+        self.retry_after_s = float(retry_after_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A granted provider slot.
+
+    Attributes:
+        waited_s: seconds from the call to the grant (what ``acquire`` returns).
+        requested_at: epoch seconds when the request asked for its slot.
+        slot_at: epoch seconds of the reserved slot (the provider's shared timeline).
+        granted_at: epoch seconds when the caller was let go (``granted_at - slot_at`` is
+            the wake-up lateness).
+        seq: the provider's reservation number; strictly increasing in reservation order.
+    """
+
+    waited_s: float
+    requested_at: float
+    slot_at: float
+    granted_at: float
+    seq: int
+
+
+class ProviderThrottle:
+    """The shared rate limit (and optional in-flight cap) of one upstream provider.
+
+    Args:
+        redis: a ``redis.asyncio.Redis`` or ``RedisCluster`` (all keys share one hash tag).
+        provider: the provider's name; instances with the same name share one limit.
+        rate: calls (cost units) allowed per ``per_s`` seconds, > 0.
+        per_s: the period of ``rate`` in seconds, > 0 (``rate=600, per_s=60`` is 10/s).
+        burst: cost units that may start at once after an idle period, >= 1. No interval of
+            length t ever holds more than ``rate * t / per_s + burst`` units.
+        max_concurrency: calls that may be in flight at once (``slot()`` holds a lease for
+            the duration of the call), or None for no cap.
+        lease_s: how long a lease lives if its holder dies without releasing it; must
+            exceed the longest call.
+
+    Raises:
+        InvalidArgument: an argument is out of range.
+    """
+
+    def __init__(self, redis: AnyRedis, provider: str, *, rate: float, per_s: float = 1.0,
+                 burst: float = 1, max_concurrency: int | None = None,
+                 lease_s: float = 30.0) -> None:
+        if not isinstance(provider, str) or not provider:
+            raise InvalidArgument("provider must be a non-empty string")
+        self.provider = provider
+        self.rate = _positive("rate", rate)
+        self.per_s = _positive("per_s", per_s)
+        self.burst = _positive("burst", burst)
+        if self.burst < 1:
+            raise InvalidArgument(f"burst must be >= 1, got {burst!r}")
+        if max_concurrency is not None and (
+                isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
+                or max_concurrency < 1):
+            raise InvalidArgument(f"max_concurrency must be None or an int >= 1, "
+                                  f"got {max_concurrency!r}")
+        self.max_concurrency = max_concurrency
+        self.lease_s = _positive("lease_s", lease_s)
+        self._client = redis
+        # Cluster safety: every key of the provider shares the tag {p:<provider>}.
+        self._keys = provider_keys(provider, "gcra")
+        self._interval_ms = repr(self.per_s * 1000.0 / self.rate)
+        self._semaphore: LeaseSemaphore | None = None
+        if max_concurrency is not None:
+            from ._semaphore import LeaseSemaphore
+
+            self._semaphore = LeaseSemaphore(redis, provider, max_concurrency, self.lease_s)
+
+    def __repr__(self) -> str:
+        return (f"ProviderThrottle({self.provider!r}, rate={self.rate:g}, per_s={self.per_s:g}, "
+                f"burst={self.burst:g}, max_concurrency={self.max_concurrency})")
+
+    @property
+    def interval_s(self) -> float:
+        """Seconds between two unit-cost slots at full load (``per_s / rate``)."""
+        return self.per_s / self.rate
+
+    @classmethod
+    def from_env(cls, redis: AnyRedis, provider: str, *, default_rate: str = "20/s",
+                 default_burst: float = 1, default_concurrency: int | None = None,
+                 lease_s: float = 30.0,
+                 env: Mapping[str, str] | None = None) -> ProviderThrottle:
+        """A throttle configured by ``<PROVIDER>_RATE``, ``_BURST`` and ``_CONCURRENCY``.
+
+        ``<PROVIDER>`` is the provider's name upper-cased, other characters than letters and
+        digits replaced by ``_`` (``"salary-api"`` reads ``SALARY_API_RATE``). An unset or
+        empty variable takes the default; ``_CONCURRENCY`` may be ``none`` (no cap).
+
+        Examples: ``LLM_RATE=20/s``, ``LLM_RATE=600/m``, ``LLM_RATE=90000/1m`` with
+        ``LLM_BURST=8000`` (tokens per minute), ``LLM_CONCURRENCY=4``.
+
+        Raises:
+            InvalidArgument: a variable (or default) is malformed or out of range; the
+                message names the variable.
+        """
+        env = os.environ if env is None else env
+        prefix = re.sub(r"[^A-Z0-9]", "_", provider.upper())
+        rate_name, burst_name, conc_name = (prefix + s for s in
+                                            (ENV_RATE, ENV_BURST, ENV_CONCURRENCY))
+
+        rate_text = env.get(rate_name, "").strip() or default_rate
+        try:
+            rate, per_s = parse_rate(rate_text)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{rate_name}: {exc}") from None
+
+        burst: float = default_burst
+        burst_text = env.get(burst_name, "").strip()
+        if burst_text:
+            try:
+                burst = float(burst_text)
+            except ValueError:
+                raise InvalidArgument(f"{burst_name}={burst_text!r} is not a number") from None
+            if not math.isfinite(burst) or burst < 1:
+                raise InvalidArgument(f"{burst_name}={burst_text!r} must be a number >= 1")
+            if burst.is_integer():
+                burst = int(burst)
+
+        concurrency = default_concurrency
+        conc_text = env.get(conc_name, "").strip()
+        if conc_text.lower() in ("none", "off"):
+            concurrency = None
+        elif conc_text:
+            if not conc_text.isdigit():
+                raise InvalidArgument(f"{conc_name}={conc_text!r} must be a whole number >= 1 "
+                                      f"or 'none'")
+            concurrency = int(conc_text)
+
+        try:
+            return cls(redis, provider, rate=rate, per_s=per_s, burst=burst,
+                       max_concurrency=concurrency, lease_s=lease_s)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{prefix}_*: {exc}") from None
+
+    async def acquire(self, cost: float = 1, max_wait_s: float | None = None) -> float:
+        """Wait for this provider's next rate slot.
+
+        The in-flight cap (``max_concurrency``) needs a lease that is given back after the
+        call: use ``slot()`` (or ``@throttled``) for that; ``acquire`` takes the rate only.
+
+        Args:
+            cost: cost units of the call (1 for plain call counting), 0 < cost <= burst.
+            max_wait_s: longest acceptable wait; defaults to, and is always clamped to, the
+                request's remaining time (``usage_limits.deadline.remaining_s()``).
+
+        Returns:
+            Seconds waited.
+
+        Raises:
+            ProviderBusy: the slot lies past ``max_wait_s``; nothing was reserved.
+            CostExceedsLimit: ``cost > burst`` (can never be admitted).
+            InvalidArgument: bad ``cost`` or ``max_wait_s``.
+            LimiterUnavailable: Redis failed.
+        """
+        return (await self.admit(cost, max_wait_s)).waited_s
+
+    async def admit(self, cost: float = 1, max_wait_s: float | None = None) -> Admission:
+        """Like ``acquire`` but returns the whole ``Admission`` (slot, timestamps, order)."""
+        cost = self._check_cost(cost)
+        limit_s = self._wait_limit(max_wait_s)
+        return await self._admit(cost, limit_s)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, cost: float = 1,
+                   max_wait_s: float | None = None) -> AsyncIterator[float]:
+        """Hold a provider slot for the duration of the block; yields the seconds waited.
+
+        With ``max_concurrency`` a lease is taken first (in arrival order), then the rate
+        slot; the lease is given back when the block exits (or after ``lease_s`` if this
+        process dies). Without it, this is ``acquire``.
+
+        Raises:
+            ProviderBusy: no lease or no rate slot within the allowed wait (a lease taken
+                for a rate slot that is too late is given back).
+            CostExceedsLimit, InvalidArgument, LimiterUnavailable: as ``acquire``.
+        """
+        cost = self._check_cost(cost)
+        limit_s = self._wait_limit(max_wait_s)
+        semaphore = self._semaphore
+        if semaphore is None:
+            yield (await self._admit(cost, limit_s)).waited_s
+            return
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        lease = await semaphore.acquire(start + limit_s)
+        try:
+            await self._admit(cost, max(0.0, limit_s - (loop.time() - start)))
+            yield loop.time() - start
+        finally:
+            await semaphore.release(lease)
+
+    async def pause(self, seconds: float) -> float:
+        """Hold back every instance's new slots for ``seconds`` (after an upstream 429).
+
+        Extends an existing pause, never shortens it. Slots reserved before the pause keep
+        their time (at most their callers' wait limit away).
+
+        Returns:
+            Epoch seconds when the provider's pause ends.
+
+        Raises:
+            InvalidArgument: ``seconds`` is negative or not finite.
+            LimiterUnavailable: Redis failed.
+        """
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not (
+                math.isfinite(seconds) and seconds >= 0):
+            raise InvalidArgument(f"pause seconds must be a finite number >= 0, got {seconds!r}")
+        until = await script("throttle_pause")(
+            self._client, self._keys, [f"{time.time() * 1000:.3f}", f"{seconds * 1000:.3f}"])
+        return float(until) / 1000
+
+    async def call(self, fn: Callable[[], Awaitable[R]], *, cost: float = 1, retries: int = 0,
+                   max_wait_s: float | None = None) -> R:
+        """Run ``fn()`` inside a slot; on ``UpstreamRateLimited`` pause the provider and retry.
+
+        Every instance is held back for the upstream's Retry-After. The call is retried up
+        to ``retries`` times, each attempt waiting for a slot after the pause but never past
+        the request's deadline.
+
+        Raises:
+            ProviderBusy: no slot in time, or the upstream still refused after ``retries``
+                retries (``from`` the ``UpstreamRateLimited``; ``retry_after_s`` is the
+                upstream's).
+        """
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise InvalidArgument(f"retries must be an int >= 0, got {retries!r}")
+        attempt = 0
+        while True:
+            async with self.slot(cost, max_wait_s):
+                try:
+                    return await fn()
+                except UpstreamRateLimited as exc:
+                    limited = exc
+            until = await self.pause(limited.retry_after_s)
+            retry_after = max(limited.retry_after_s, until - time.time())
+            if attempt >= retries or retry_after >= deadline.remaining_s():
+                raise ProviderBusy(self.provider, retry_after,
+                                   f"provider {self.provider!r} is rate limiting us; "
+                                   f"retry after {retry_after:.3f}s") from limited
+            attempt += 1
+
+    async def _admit(self, cost: float, limit_s: float) -> Admission:
+        loop = asyncio.get_running_loop()
+        requested = time.time()
+        start = loop.time()
+        reply = await script("throttle_acquire")(self._client, self._keys, [
+            f"{requested * 1000:.3f}", self._interval_ms, repr(self.burst), repr(cost),
+            f"{limit_s * 1000:.3f}"])
+        wait_s = float(reply[1]) / 1000
+        if not int(reply[0]):
+            raise ProviderBusy(self.provider, wait_s)
+        await _sleep_until(loop, start + wait_s)
+        return Admission(waited_s=loop.time() - start, requested_at=requested,
+                         slot_at=float(reply[2]) / 1000, granted_at=time.time(),
+                         seq=int(reply[3]))
+
+    def _check_cost(self, cost: float) -> float:
+        cost = _positive("cost", cost)
+        if cost > self.burst:
+            raise CostExceedsLimit(
+                f"cost {cost:g} of provider {self.provider!r} is above the burst capacity "
+                f"{self.burst:g}: it could never be admitted", cost=cost, limit=self.burst)
+        return cost
+
+    def _wait_limit(self, max_wait_s: float | None) -> float:
+        remaining = deadline.remaining_s()
+        if max_wait_s is None:
+            return remaining
+        if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, int | float) or not (
+                max_wait_s >= 0):
+            raise InvalidArgument(f"max_wait_s must be a number >= 0, got {max_wait_s!r}")
+        return min(float(max_wait_s), remaining)
+
+
+def throttled(throttle: ProviderThrottle | str | Callable[[Any], ProviderThrottle] = "throttle",
+              *, cost: float | Callable[..., float] = 1, retries: int = 0,
+              max_wait_s: float | None = None,
+              ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+    """Throttle an async provider-client method (or function) by its provider's limits.
+
+    Each call waits for a slot (holding a lease for the duration of the call when the
+    throttle has ``max_concurrency``), never past the request's deadline. When the call
+    raises ``UpstreamRateLimited`` the provider is paused for every instance and the call is
+    retried up to ``retries`` times (see ``ProviderThrottle.call``).
+
+    Args:
+        throttle: where the limits live: the name of an attribute of ``self`` (default
+            ``"throttle"``), a callable taking ``self``, or a ``ProviderThrottle``.
+        cost: cost units per call, or a function of the call's arguments (including
+            ``self``) that estimates them, e.g. tokens of an LLM prompt.
+        retries: retries after ``UpstreamRateLimited``.
+        max_wait_s: longest wait for a slot (always clamped to the request's deadline).
+
+    Example:
+        >>> class LlmClient:
+        ...     def __init__(self, redis):
+        ...         self.throttle = ProviderThrottle.from_env(redis, "llm", default_rate="600/m")
+        ...
+        ...     @throttled(cost=lambda self, prompt: 1 + len(prompt) // 4, retries=1)
+        ...     async def complete(self, prompt: str) -> str:
+        ...         response = await self.http.post(...)
+        ...         if response.status_code == 429:
+        ...             raise UpstreamRateLimited(float(response.headers.get("Retry-After", 1)))
+        ...         return response.json()["text"]
+
+    Raises (from the decorated call):
+        ProviderBusy: no slot in time, or still rate limited after the retries.
+    """
+    if not (isinstance(throttle, ProviderThrottle | str) or callable(throttle)):
+        raise InvalidArgument(f"throttle must be an attribute name, a callable or a "
+                              f"ProviderThrottle, got {throttle!r}")
+    if not callable(cost):
+        _positive("cost", cost)
+
+    def resolve(args: tuple[Any, ...]) -> ProviderThrottle:
+        if isinstance(throttle, ProviderThrottle):
+            return throttle
+        if not args:
+            raise InvalidArgument("@throttled with an attribute name or callable needs a "
+                                  "method (self as the first argument)")
+        found = getattr(args[0], throttle) if isinstance(throttle, str) else throttle(args[0])
+        if not isinstance(found, ProviderThrottle):
+            raise InvalidArgument(f"@throttled: {throttle!r} gave {found!r}, "
+                                  f"not a ProviderThrottle")
+        return found
+
+    def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        @functools.wraps(fn)
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            units = cost(*args, **kwargs) if callable(cost) else cost
+            return await resolve(args).call(lambda: fn(*args, **kwargs), cost=units,
+                                            retries=retries, max_wait_s=max_wait_s)
+
+        return wrapper
+
+    return decorate
+
+
+def parse_rate(text: str) -> tuple[float, float]:
+    """``(rate, per_s)`` of a rate text: ``"20/s"`` -> ``(20.0, 1.0)``.
+
+    ``"600/m"`` -> ``(600.0, 60.0)``; ``"5/10s"`` -> ``(5.0, 10.0)``.
+    Units: ``s``/``sec``, ``m``/``min``, ``h``/``hour``.
+
+    Raises:
+        InvalidArgument: not a positive rate of that form.
+    """
+    match = _RATE.fullmatch(text.lower()) if isinstance(text, str) else None
+    if not match or match.group(3) not in _UNITS:
+        raise InvalidArgument(f"{text!r} is not a rate like '20/s', '600/m' or '5/10s'")
+    count = float(match.group(1))
+    per_s = float(match.group(2) or 1) * _UNITS[match.group(3)]
+    if count <= 0 or per_s <= 0:
+        raise InvalidArgument(f"{text!r}: the rate and its period must be > 0")
+    return count, per_s
+
+
+async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
+    """Sleep until ``loop.time() >= when``: asyncio.sleep, then yield until it is time."""
+    left = when - loop.time()
+    if left > SPIN_S:
+        await asyncio.sleep(left - SPIN_S)
+    while loop.time() < when:  # noqa: ASYNC110 - a spin of at most SPIN_S, on purpose
+        await asyncio.sleep(0)
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value > 0):
+        raise InvalidArgument(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)

@@ -196,7 +196,7 @@ class ProviderThrottle:
         if conc_text.lower() in ("none", "off"):
             concurrency = None
         elif conc_text:
-            if not conc_text.isdigit():
+            if not conc_text.isdigit() or int(conc_text) < 1:
                 raise InvalidArgument(f"{conc_name}={conc_text!r} must be a whole number >= 1 "
                                       f"or 'none'")
             concurrency = int(conc_text)

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
 from . import identity, runtime
+from . import observability as obs
 from .errors import (
     BudgetExceeded,
     IdempotencyConflict,
@@ -59,6 +60,7 @@ class Charge:
         """Lower the charge to ``actual_cost`` (never raises it)."""
         if actual_cost < self.cost:
             await self.budget.settle(self.user_id, self.request_id, actual_cost=actual_cost)
+            obs.count(obs.TOKENS_SETTLED, self.cost - actual_cost)
             self.cost = actual_cost
 
     async def refund(self) -> bool:
@@ -91,6 +93,7 @@ def current_user(request: Request) -> str:
     """Dependency for free routes: the caller's id, or 401."""
     user = identity.user_id(request)
     request_state(request).user_id = user
+    obs.logger().append_keys(user=obs.hashed_user(user))
     return user
 
 
@@ -129,6 +132,7 @@ def require_tokens(cost: int, *, route: str | None = None) -> Callable[[Request]
                 limit=int(exc.limit), remaining=0, window_s=window_s, cost=cost) from exc
         state.reservation = reservation
         if not reservation.allowed:
+            obs.count(obs.BUDGET_REJECTED)
             raise BudgetExceeded(
                 f"token budget exceeded: this request costs {cost} tokens",
                 headers=retry_after_header(reservation.retry_after_s),
@@ -139,6 +143,7 @@ def require_tokens(cost: int, *, route: str | None = None) -> Callable[[Request]
                 "this Idempotency-Key was already used for a request that was charged; "
                 "use a new key for a new request")
         state.charge = Charge(budget, user, rid, cost, reservation)
+        obs.count(obs.TOKENS_RESERVED, cost)
         return state.charge
 
     reserve_tokens.__name__ = f"require_tokens_{cost}"

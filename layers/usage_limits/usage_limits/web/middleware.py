@@ -13,18 +13,15 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
 
 from __future__ import annotations
 
-import logging
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..deadline import deadline_scope, request_budget_s
+from . import observability as obs
 from .errors import error_response
 from .guard import STATE_KEY, RequestState
 from .settings import settings
-
-log = logging.getLogger("usage_limits.web")
-
 
 class UsageLimitsMiddleware:
     def __init__(self, app: ASGIApp) -> None:
@@ -49,6 +46,10 @@ class UsageLimitsMiddleware:
             await self._run(scope, _replay(body, receive), send, state)
 
     async def _run(self, scope: Scope, receive: Receive, send: Send, state: RequestState) -> None:
+        started = time.perf_counter()
+        log = obs.logger()
+        log.append_keys(request_id=_request_id(scope), route=f"{scope.get('method')} {scope.get('path')}",
+                        user=None)
         status = 0
 
         async def send_with_headers(message: Message) -> None:
@@ -63,20 +64,34 @@ class UsageLimitsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_headers)
+            tracer = obs.tracer()
+            if tracer is None:
+                await self.app(scope, receive, send_with_headers)
+            else:
+                async with tracer.provider.in_subsegment_async(f"## {scope.get('path')}"):
+                    await self.app(scope, receive, send_with_headers)
         except Exception:
-            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            log.exception("unhandled error")
             if status == 0:
                 await error_response(500, "internal_error", "internal error")(
                     scope, receive, send_with_headers)
             status = status or 500
         finally:
             charge = state.charge
+            refunded = 0
             if charge is not None and (status >= 400 or status == 0):
                 try:
-                    await charge.refund()
+                    cost = charge.cost
+                    if await charge.refund():
+                        refunded = cost
+                        obs.count(obs.TOKENS_REFUNDED, cost)
                 except Exception:  # the response is already out; the charge stays
-                    log.exception("refund failed for request %s", charge.request_id)
+                    log.exception("refund failed; the charge stays until it leaves its window")
+            log.info("request", extra={
+                "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 2),
+                "tokens_charged": charge.cost if charge is not None else 0,
+                "tokens_refunded": refunded})
+            obs.flush()
 
 
 async def _read_body(scope: Scope, receive: Receive, cap: int) -> bytes | None:
@@ -111,6 +126,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def _request_id(scope: Scope) -> str | None:
+    context = scope.get("aws.context")
+    if context is not None:
+        return getattr(context, "aws_request_id", None)
+    event = scope.get("aws.event") or {}
+    return (event.get("requestContext") or {}).get("requestId")
 
 
 def _label(seconds: int) -> str:

@@ -80,17 +80,24 @@ class ProviderClient:
         self.env = os.environ if env is None else env
         self._redis = redis
         self._throttle: Any = None
+        self._throttle_redis: Any = None
 
     @property
     def throttle(self) -> Any:
-        """The provider's shared throttle (created on first use)."""
-        if self._throttle is None:
+        """The provider's shared throttle (created on first use).
+
+        It is rebuilt when the Redis client changes: ``runtime.get_redis()`` gives each
+        event loop its own client, and a throttle must not keep one from a closed loop.
+        """
+        redis = self._redis or runtime.get_redis()
+        if self._throttle is None or self._throttle_redis is not redis:
             from usage_limits.throttle import ProviderThrottle
 
             self._throttle = ProviderThrottle.from_env(
-                self._redis or runtime.get_redis(), self.name,
+                redis, self.name,
                 default_rate=self.default_rate, default_burst=self.default_burst,
                 default_concurrency=self.default_concurrency, env=self.env)
+            self._throttle_redis = redis
         return self._throttle
 
     async def request(self, method: str, path: str, *, cost: float = 1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import shutil
@@ -68,6 +69,15 @@ async def test_standalone_client_pings(redis_server: RedisServer) -> None:
     client = redis_from_env({"REDIS_URL": redis_server.url})
     try:
         assert await client.ping() is True
+    finally:
+        await client.aclose()
+
+
+async def test_fan_out_beyond_the_pool_waits_instead_of_failing(redis_server: RedisServer) -> None:
+    """With one pooled connection, twenty concurrent commands queue for it and all succeed."""
+    client = redis_from_env({"REDIS_URL": redis_server.url}, max_connections=1)
+    try:
+        assert await asyncio.gather(*(client.ping() for _ in range(20))) == [True] * 20
     finally:
         await client.aclose()
 
@@ -178,7 +188,8 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Redis
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
     tls_port = free_port()

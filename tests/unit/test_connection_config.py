@@ -57,7 +57,8 @@ def test_empty_variables_count_as_unset() -> None:
 def test_region_falls_back_to_aws_default_region() -> None:
     """AWS_DEFAULT_REGION is used when AWS_REGION is absent."""
     env = {k: v for k, v in IAM.items() if k != "AWS_REGION"}
-    assert ConnectionSettings.from_env({**env, "AWS_DEFAULT_REGION": "us-east-2"}).region == "us-east-2"
+    settings = ConnectionSettings.from_env({**env, "AWS_DEFAULT_REGION": "us-east-2"})
+    assert settings.region == "us-east-2"
 
 
 def test_url_parts_are_parsed_and_decoded() -> None:

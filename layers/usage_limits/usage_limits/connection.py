@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import SSLConnection
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.credentials import CredentialProvider
 from redis.exceptions import AuthenticationError
@@ -52,7 +52,7 @@ __all__ = [
     "redis_from_env",
 ]
 
-#: Retry backoff: 10 ms, 20 ms, ... with full jitter, never more than 100 ms.
+#: Retry backoff: random in [0, 10 ms * 2**failures], never more than 100 ms.
 BACKOFF_BASE_S = 0.01
 BACKOFF_CAP_S = 0.1
 #: ElastiCache rejects IAM tokens older than 15 minutes; renew well before that.
@@ -161,8 +161,8 @@ def redis_from_env(
     pool = BlockingConnectionPool(
         max_connections=settings.max_connections,
         timeout=settings.connect_timeout_s + settings.socket_timeout_s,
+        connection_class=SSLConnection if address.tls else Connection,
         host=address.host, port=address.port, db=address.db,
-        **({"connection_class": SSLConnection} if address.tls else {}),
         **common,
     )
     return Redis.from_pool(pool)

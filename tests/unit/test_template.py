@@ -1,0 +1,481 @@
+"""template.yaml: lint, SAM transform, functions, routes, events and least-privilege IAM.
+
+No AWS calls: cfn-lint and the SAM translator run in-process, with a stub for the one
+lookup the translator would make (the ARNs of AWS managed policies).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cfnlint.api import ManualArgs, lint
+from packaging.requirements import Requirement
+from samtranslator.translator.transform import transform
+
+from local.template import FunctionSpec, functions, load_template, parameter_defaults
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "template.yaml"
+EVENTS = ROOT / "events"
+SPECS = functions(TEMPLATE)
+
+#: DESIGN.md, "Public contract": the local app depends on exactly these routes.
+CONTRACT_ROUTES = {
+    "POST /v1/structured",
+    "POST /v1/embeddings",
+    "POST /v1/company-research",
+    "GET /v1/salary",
+    "POST /v1/job-extraction",
+    "POST /v1/market-context",
+    "GET /v1/usage",
+}
+
+#: Provider secrets each function may read (logical ids); nothing else.
+SECRETS_BY_FUNCTION = {
+    "StructuredFunction": {"LlmSecret"},
+    "EmbeddingsFunction": {"LlmSecret"},
+    "SalaryFunction": {"AdzunaSecret"},
+    "JobExtractionFunction": {"LlmSecret"},
+    "CompanyResearchFunction": {"LlmSecret", "SearchSecret"},
+    "MarketContextFunction": {"LlmSecret", "AdzunaSecret"},
+    "UsageFunction": set(),
+}
+
+#: cfn-lint rules switched off, each with the reason. Informational rules run too.
+IGNORED_CFN_LINT_RULES: dict[str, str] = {}
+
+#: Names the SAM translator may ask for (it adds the basic and VPC execution roles itself).
+MANAGED_POLICIES = ("AWSLambdaBasicExecutionRole", "AWSLambdaVPCAccessExecutionRole",
+                    "AWSLambdaRole", "AWSXrayWriteOnlyAccess")
+
+
+class _ManagedPolicies:
+    """Stands in for the translator's IAM lookup (``iam:ListPolicies``)."""
+
+    def load(self) -> dict[str, str]:
+        return {name: f"arn:aws:iam::aws:policy/service-role/{name}" for name in MANAGED_POLICIES}
+
+
+@pytest.fixture(scope="module")
+def template() -> dict[str, Any]:
+    """template.yaml with its short intrinsic tags in long form."""
+    return load_template(TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def resources(template: dict[str, Any]) -> dict[str, Any]:
+    """The resources of template.yaml after the SAM transform, as CloudFormation sees them."""
+    document = copy.deepcopy(template)
+    for resource in document["Resources"].values():
+        props = resource.get("Properties", {})
+        for key in ("CodeUri", "ContentUri"):  # what `sam package` does with local folders
+            if isinstance(props.get(key), str):
+                props[key] = f"s3://artifacts/{props[key]}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        out = transform(document, {}, _ManagedPolicies())
+    return out["Resources"]  # type: ignore[no-any-return]
+
+
+def _by_id(spec: FunctionSpec) -> str:
+    return spec.logical_id
+
+
+def _event_name(spec: FunctionSpec) -> str:
+    return Path(spec.code_dir).name
+
+
+def _statements(resources: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every IAM statement of every role and policy, with the resource that holds it."""
+    found = []
+    for name, resource in resources.items():
+        props = resource.get("Properties", {})
+        if resource["Type"] == "AWS::IAM::Role":
+            docs = [p["PolicyDocument"] for p in props.get("Policies", [])]
+        elif resource["Type"] in ("AWS::IAM::ManagedPolicy", "AWS::IAM::Policy"):
+            docs = [props["PolicyDocument"]]
+        else:
+            continue
+        for doc in docs:
+            statements = doc["Statement"]
+            for statement in statements if isinstance(statements, list) else [statements]:
+                found.append((name, statement))
+    return found
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+# --- the template as a whole ------------------------------------------------------------
+
+
+def test_cfn_lint_passes() -> None:
+    """cfn-lint reports nothing, informational rules included, except documented ignores."""
+    config = ManualArgs(regions=["us-east-1"], include_checks=["I"],
+                        ignore_checks=sorted(IGNORED_CFN_LINT_RULES))
+    matches = lint(TEMPLATE.read_text(), config=config)
+    assert [str(m) for m in matches] == []
+
+
+def test_sam_transform_produces_the_stack(resources: dict[str, Any]) -> None:
+    """The SAM translator turns the template into an HTTP API, seven functions and their roles."""
+    types = [r["Type"] for r in resources.values()]
+    assert types.count("AWS::Lambda::Function") == 7
+    assert types.count("AWS::ApiGatewayV2::Api") == 1
+    assert types.count("AWS::Lambda::LayerVersion") == 3
+    assert "AWS::ElastiCache::ServerlessCache" in types
+
+
+def test_contract_routes_are_all_deployed() -> None:
+    """Every route of the public contract, and no other, has a function in the template."""
+    assert {spec.route_key for spec in SPECS} == CONTRACT_ROUTES
+
+
+def test_contract_list_matches_design_doc() -> None:
+    """The routes checked here are the ones DESIGN.md's public contract lists."""
+    design = ROOT.parent / "shared" / "DESIGN.md"
+    if not design.exists():
+        pytest.skip(f"{design} is not beside the repository")
+    text = design.read_text()
+    contract = text[text.index("## Public contract"):]
+    start = contract.index("Routes under")
+    bullet = contract[start:contract.index("\n- ", start)]  # the bullet may wrap
+    routes = {f"{m} /v1/{name}" for m, name in re.findall(r"`(GET|POST) ([a-z-]+)`", bullet)}
+    assert routes == CONTRACT_ROUTES
+
+
+# --- functions ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+def test_function_runtime_architecture_and_timeout(spec: FunctionSpec,
+                                                   resources: dict[str, Any]) -> None:
+    """Each function runs python3.12 on arm64 and ends before API Gateway's 30 s limit."""
+    props = resources[spec.logical_id]["Properties"]
+    assert props["Runtime"] == "python3.12"
+    assert props["Architectures"] == ["arm64"]
+    assert props["Handler"] == "app.handler"
+    assert 1 <= props["Timeout"] < 30
+    assert spec.timeout == props["Timeout"]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+def test_function_code_and_makefile_exist(spec: FunctionSpec) -> None:
+    """Each function's folder holds its app.py and a Makefile with its sam build target."""
+    code = ROOT / spec.code_dir
+    assert (code / "app.py").is_file(), f"{spec.code_dir}/app.py is missing"
+    makefile = (code / "Makefile").read_text()
+    assert f"build-{spec.logical_id}:" in makefile
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+def test_function_event_matches_route(spec: FunctionSpec) -> None:
+    """events/<dir>.json is a payload v2.0 event for the function's own route and user."""
+    event = json.loads((EVENTS / f"{_event_name(spec)}.json").read_text())
+    ctx = event["requestContext"]
+    assert event["version"] == "2.0"
+    assert event["routeKey"] == ctx["routeKey"] == spec.route_key
+    assert event["rawPath"] == ctx["http"]["path"] == spec.path
+    assert ctx["http"]["method"] == spec.method
+    assert ctx["stage"] == "$default"
+    assert ctx["authorizer"]["jwt"]["claims"]["sub"] == "user-123"
+    assert event["isBase64Encoded"] is False
+    if spec.method == "POST":
+        assert isinstance(json.loads(event["body"]), dict)
+        assert event["headers"]["content-type"] == "application/json"
+        assert event["headers"]["content-length"] == str(len(event["body"].encode()))
+
+
+def test_every_event_file_targets_a_route() -> None:
+    """No event file names a route that the template does not have."""
+    routes = {spec.route_key for spec in SPECS}
+    for path in sorted(EVENTS.glob("*.json")):
+        if path.name == "env.json":
+            continue
+        event = json.loads(path.read_text())
+        assert event["routeKey"] in routes, path.name
+
+
+def test_no_identity_event_has_no_authorizer() -> None:
+    """The no-identity event carries neither JWT claims nor an Authorization header."""
+    event = json.loads((EVENTS / "structured_no_identity.json").read_text())
+    assert "authorizer" not in event["requestContext"]
+    assert "authorization" not in event["headers"]
+
+
+def test_bad_input_event_lacks_schema() -> None:
+    """The bad-input event is a structured request without its required schema."""
+    body = json.loads(json.loads((EVENTS / "structured_bad_input.json").read_text())["body"])
+    assert "prompt" in body and "schema" not in body
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+def test_function_logs_to_its_own_group_with_retention(spec: FunctionSpec,
+                                                       template: dict[str, Any]) -> None:
+    """Each function logs to its own log group, which has a retention period."""
+    props = template["Resources"][spec.logical_id]["Properties"]
+    group = props["LoggingConfig"]["LogGroup"]["Ref"]
+    log_group = template["Resources"][group]
+    assert log_group["Type"] == "AWS::Logs::LogGroup"
+    assert log_group["Properties"]["RetentionInDays"] == {"Ref": "LogRetentionDays"}
+    others = [template["Resources"][s.logical_id]["Properties"]["LoggingConfig"]["LogGroup"]
+              for s in SPECS if s.logical_id != spec.logical_id]
+    assert {"Ref": group} not in others
+
+
+def test_zero_reserved_concurrency_means_unreserved(template: dict[str, Any]) -> None:
+    """Reserved concurrency is set only when the parameter is neither empty nor 0."""
+    reserved = template["Globals"]["Function"]["ReservedConcurrentExecutions"]
+    assert reserved == {"Fn::If": ["HasReservedConcurrency", {"Ref": "ReservedConcurrency"},
+                                   {"Ref": "AWS::NoValue"}]}
+    condition = json.dumps(template["Conditions"]["HasReservedConcurrency"])
+    assert '"Fn::Not"' in condition and '""' in condition and '"0"' in condition
+    provisioned = template["Globals"]["Function"]["ProvisionedConcurrencyConfig"]
+    assert provisioned["Fn::If"][0] == "HasProvisionedConcurrency"
+
+
+def test_layers_are_built_by_their_makefiles(template: dict[str, Any]) -> None:
+    """Each layer is built by a Makefile target for arm64, with no container."""
+    layers = {k: v for k, v in template["Resources"].items()
+              if v["Type"] == "AWS::Serverless::LayerVersion"}
+    assert set(layers) == {"DepsLayer", "UsageLimitsLayer", "ProvidersLayer"}
+    for name, layer in layers.items():
+        assert layer["Metadata"] == {"BuildMethod": "makefile", "BuildArchitecture": "arm64"}
+        assert layer["Properties"]["CompatibleRuntimes"] == ["python3.12"]
+        makefile = ROOT / layer["Properties"]["ContentUri"] / "Makefile"
+        assert f"build-{name}:" in makefile.read_text()
+
+
+# --- API ------------------------------------------------------------------------------------
+
+
+def test_every_route_requires_the_jwt_authorizer(resources: dict[str, Any]) -> None:
+    """Every API route is protected by the JWT authorizer on the Authorization header."""
+    body = resources["HttpApi"]["Properties"]["Body"]
+    scheme = body["components"]["securitySchemes"]["AttoJwt"]
+    assert scheme["x-amazon-apigateway-authorizer"]["type"] == "jwt"
+    assert scheme["x-amazon-apigateway-authorizer"]["identitySource"] == (
+        "$request.header.Authorization")
+    operations = [(path, method, op) for path, item in body["paths"].items()
+                  for method, op in item.items()]
+    assert len(operations) == len(CONTRACT_ROUTES)
+    for path, method, op in operations:
+        assert op["security"] == [{"AttoJwt": []}], f"{method.upper()} {path}"
+        assert op["x-amazon-apigateway-integration"]["payloadFormatVersion"] == "2.0"
+
+
+def test_stage_throttling_and_access_logs(resources: dict[str, Any]) -> None:
+    """The $default stage throttles every route and writes access logs to a log group."""
+    stage = resources["HttpApiApiGatewayDefaultStage"]["Properties"]
+    assert stage["StageName"] == "$default"
+    assert stage["DefaultRouteSettings"] == {
+        "ThrottlingBurstLimit": {"Ref": "ApiThrottlingBurstLimit"},
+        "ThrottlingRateLimit": {"Ref": "ApiThrottlingRateLimit"},
+    }
+    assert stage["AccessLogSettings"]["DestinationArn"] == {
+        "Fn::GetAtt": ["ApiAccessLogGroup", "Arn"]}
+    assert "$context.authorizer.claims.sub" in stage["AccessLogSettings"]["Format"]
+
+
+# --- IAM and network ------------------------------------------------------------------------
+
+
+def test_no_wildcards_on_secret_or_cache_permissions(resources: dict[str, Any]) -> None:
+    """No statement grants Secrets Manager or ElastiCache actions on "*" or by wildcard."""
+    checked = 0
+    for holder, statement in _statements(resources):
+        actions = [str(a) for a in _as_list(statement.get("Action", []))]
+        sensitive = [a for a in actions
+                     if a.lower().startswith(("secretsmanager:", "elasticache:"))]
+        if not sensitive:
+            continue
+        checked += 1
+        assert statement["Effect"] == "Allow"
+        assert all("*" not in a for a in sensitive), f"{holder}: {sensitive}"
+        for resource in _as_list(statement["Resource"]):
+            assert resource != "*" and "*" not in json.dumps(resource), f"{holder}: {resource}"
+    assert checked >= 7
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+def test_function_reads_only_its_own_secrets(spec: FunctionSpec,
+                                             resources: dict[str, Any],
+                                             template: dict[str, Any]) -> None:
+    """A function's role reads exactly its providers' secrets, the ones its env names."""
+    role = f"{spec.logical_id}Role"
+    granted = set()
+    for holder, statement in _statements(resources):
+        if holder == role and "secretsmanager:GetSecretValue" in _as_list(statement["Action"]):
+            granted |= {r["Ref"] for r in _as_list(statement["Resource"])}
+    assert granted == SECRETS_BY_FUNCTION[spec.logical_id]
+    env = template["Resources"][spec.logical_id]["Properties"]["Environment"]["Variables"]
+    named = {v["Ref"] for k, v in env.items() if k.endswith("_SECRET_ARN")}
+    assert named == granted
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+def test_function_may_connect_to_the_cache_as_its_user(spec: FunctionSpec,
+                                                       resources: dict[str, Any]) -> None:
+    """Each role has elasticache:Connect on this cache and its IAM user only."""
+    role = resources[f"{spec.logical_id}Role"]["Properties"]
+    assert {"Ref": "CacheConnectPolicy"} in role["ManagedPolicyArns"]
+    statement, = resources["CacheConnectPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+    assert statement["Action"] == "elasticache:Connect"
+    assert statement["Resource"] == [{"Fn::GetAtt": ["Cache", "ARN"]},
+                                     {"Fn::GetAtt": ["CacheAppUser", "Arn"]}]
+
+
+def test_cache_accepts_only_the_functions(template: dict[str, Any]) -> None:
+    """The cache's security group admits only the functions' group, on 6379-6380."""
+    res = template["Resources"]
+    ingress = [r["Properties"] for r in res.values()
+               if r["Type"] == "AWS::EC2::SecurityGroupIngress"]
+    assert ingress == [{
+        "Description": "Atto Cloud functions", "GroupId": {"Ref": "CacheSecurityGroup"},
+        "IpProtocol": "tcp", "FromPort": 6379, "ToPort": 6380,
+        "SourceSecurityGroupId": {"Ref": "FunctionSecurityGroup"},
+    }]
+    assert "SecurityGroupIngress" not in res["CacheSecurityGroup"]["Properties"]
+    assert res["Cache"]["Properties"]["SecurityGroupIds"] == [{"Ref": "CacheSecurityGroup"}]
+
+
+def test_cache_users_use_iam_and_a_disabled_default(template: dict[str, Any]) -> None:
+    """The functions' cache user authenticates with IAM; the default user is switched off."""
+    res = template["Resources"]
+    app, default = res["CacheAppUser"]["Properties"], res["CacheDefaultUser"]["Properties"]
+    assert app["AuthenticationMode"] == {"Type": "iam"}
+    assert app["UserId"] == app["UserName"]  # required for IAM authentication
+    assert default["UserName"] == "default" and default["AccessString"].startswith("off")
+    assert res["Cache"]["Properties"]["Engine"] == "valkey"
+
+
+def test_cache_acl_covers_the_library_keys(template: dict[str, Any]) -> None:
+    """The cache user's default ACL allows exactly the usage_limits key prefix."""
+    from usage_limits import keys
+
+    access = template["Parameters"]["CacheAccessString"]["Default"].split()
+    assert [a for a in access if a.startswith("~")] == [f"~{keys.PREFIX}:*"]
+    assert "-@dangerous" in access
+
+
+# --- settings the library reads -----------------------------------------------------------
+
+
+def test_function_environment_is_valid_for_the_library(template: dict[str, Any]) -> None:
+    """The deployed environment (with a stand-in endpoint) passes the library's validation."""
+    from usage_limits.config import ConnectionSettings
+    from usage_limits.throttle import parse_rate
+    from usage_limits.web.settings import WebSettings
+
+    spec = next(s for s in SPECS if s.logical_id == "StructuredFunction")
+    env = {**spec.env,
+           "REDIS_URL": "rediss://atto-dev-usage-abc123.serverless.use1.cache.amazonaws.com:6379",
+           "REDIS_USER": "atto-dev-app", "ELASTICACHE_CACHE_NAME": "atto-dev-usage",
+           "AWS_REGION": "us-east-1"}
+    settings = ConnectionSettings.from_env(env)
+    assert (settings.auth, settings.cluster, settings.address.tls) == ("iam", True, True)
+    assert WebSettings.from_env(env).local is False
+    for name in [n for n in env if n.endswith("_RATE")]:
+        rate, per_s = parse_rate(env[name])
+        assert rate > 0 and per_s > 0, name
+
+
+def test_globals_name_every_setting(template: dict[str, Any]) -> None:
+    """The functions get the Redis, budget, logging and provider settings from Globals."""
+    names = set(template["Globals"]["Function"]["Environment"]["Variables"])
+    assert {"ATTO_ENV", "ATTO_BUDGET", "REDIS_URL", "REDIS_CLUSTER", "REDIS_AUTH", "REDIS_USER",
+            "ELASTICACHE_CACHE_NAME", "POWERTOOLS_METRICS_NAMESPACE", "LOG_LEVEL",
+            "LLM_BASE_URL", "LLM_MODEL", "LLM_RATE", "SALARY_BASE_URL", "SALARY_RATE",
+            "SEARCH_BASE_URL", "SEARCH_RATE", "PAGES_RATE"} <= names
+    for spec in SPECS:
+        assert "POWERTOOLS_SERVICE_NAME" in spec.env
+
+
+def test_env_json_sets_only_declared_variables(template: dict[str, Any]) -> None:
+    """events/env.json sets local-mode values, only for variables the template declares."""
+    declared = set(template["Globals"]["Function"]["Environment"]["Variables"])
+    for resource in template["Resources"].values():
+        if resource["Type"] == "AWS::Serverless::Function":
+            declared |= set(resource["Properties"]["Environment"]["Variables"])
+    values = json.loads((EVENTS / "env.json").read_text())["Parameters"]
+    assert set(values) <= declared  # sam local ignores anything else
+    assert values["ATTO_ENV"] == "local"
+    assert values["REDIS_AUTH"] == "none" and values["REDIS_URL"].startswith("redis://")
+
+
+# --- samconfig.toml and the dependency layer ---------------------------------------------
+
+
+@pytest.mark.parametrize("env", ["default", "prod"])
+def test_samconfig_environment_sets_every_required_parameter(env: str,
+                                                             template: dict[str, Any]) -> None:
+    """Each samconfig environment gives every parameter that has no default, and no unknown one."""
+    config = tomllib.loads((ROOT / "samconfig.toml").read_text())
+    assert config["version"] == 0.1
+    deploy = config[env]["deploy"]["parameters"]
+    overrides = dict(item.split("=", 1) for item in deploy["parameter_overrides"])
+    params = template["Parameters"]
+    assert set(overrides) <= set(params)
+    assert {name for name in params if "Default" not in params[name]} <= set(overrides)
+    assert overrides["Stage"] == ("dev" if env == "default" else "prod")
+    assert deploy["confirm_changeset"] is (env == "prod")
+    assert deploy["resolve_s3"] is True and "CAPABILITY_IAM" in deploy["capabilities"]
+    assert config[env]["global"]["parameters"]["stack_name"].endswith(overrides["Stage"])
+
+
+def test_deps_layer_pins_every_package_within_the_project_ranges() -> None:
+    """layers/deps/requirements.txt pins each dependency exactly, within pyproject's ranges."""
+    lines = [ln.split("#", 1)[0].strip()
+             for ln in (ROOT / "layers/deps/requirements.txt").read_text().splitlines()]
+    pins = {}
+    for line in filter(None, lines):
+        req = Requirement(line)
+        (spec,) = req.specifier
+        assert spec.operator == "==", line
+        pins[req.name.lower().replace("_", "-")] = spec.version
+    assert "boto3" not in pins and "botocore" not in pins  # the Lambda runtime provides them
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for text in project["dependencies"]:
+        req = Requirement(text)
+        name = req.name.lower().replace("_", "-")
+        if name in ("boto3", "botocore"):
+            continue
+        assert name in pins, f"{name} is not in the layer"
+        assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} vs {req.specifier}"
+
+
+# --- local/template.py ----------------------------------------------------------------------
+
+
+def test_loader_reads_short_intrinsic_tags(tmp_path: Path) -> None:
+    """Short tags load as long-form intrinsics, !GetAtt split at its first dot."""
+    path = tmp_path / "t.yaml"
+    path.write_text("A: !Ref X\nB: !GetAtt Cache.Endpoint.Address\nC: !Sub 'a-${X}'\n"
+                    "D: !If [Cond, 1, !Ref AWS::NoValue]\nE: !Join ['', [a, b]]\n")
+    assert load_template(path) == {
+        "A": {"Ref": "X"},
+        "B": {"Fn::GetAtt": ["Cache", "Endpoint.Address"]},
+        "C": {"Fn::Sub": "a-${X}"},
+        "D": {"Fn::If": ["Cond", 1, {"Ref": "AWS::NoValue"}]},
+        "E": {"Fn::Join": ["", ["a", "b"]]},
+    }
+
+
+def test_function_specs_resolve_only_what_is_known_before_deploy(template: dict[str, Any]) -> None:
+    """Spec env holds literals and parameter defaults, never values that need a deploy."""
+    spec = next(s for s in SPECS if s.logical_id == "CompanyResearchFunction")
+    defaults = parameter_defaults(template)
+    assert spec.env["ATTO_ENV"] == defaults["Stage"] == "dev"
+    assert spec.env["ATTO_BUDGET"] == "100/1h,1000/30d"
+    assert spec.env["POWERTOOLS_SERVICE_NAME"] == "company_research"
+    assert "REDIS_URL" not in spec.env and "SEARCH_SECRET_ARN" not in spec.env
+    assert (spec.code_dir, spec.handler) == ("functions/company_research", "app.handler")
+    assert functions() == SPECS  # the default path is the project's template

@@ -16,7 +16,7 @@ from local.redis_servers import RedisServer
 from local.lambda_events import FakeContext, http_event, invoke, lambda_loop
 from usage_limits.deadline import remaining_s
 from usage_limits.web import Charge, create_app, current_user, require_tokens, settings
-from usage_limits.web import runtime
+from usage_limits.web import idempotency, runtime
 from usage_limits.web.runtime import get_budget
 
 calls: list[str] = []
@@ -70,11 +70,13 @@ def web(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer) -> Iterator[
     monkeypatch.delenv("ATTO_ENV", raising=False)
     settings.cache_clear()
     runtime.set_redis(None)
+    idempotency.reset()
     calls.clear()
     with lambda_loop():
         yield build_app()
     settings.cache_clear()
     runtime.set_redis(None)
+    idempotency.reset()
 
 
 def used(handler: Any, user: str) -> int:
@@ -172,17 +174,60 @@ def test_jwt_wins_over_local_header(web: Any, monkeypatch: pytest.MonkeyPatch) -
     assert used(web, user) == 5 and used(web, other) == 0
 
 
-def test_repeated_idempotency_key_is_charged_once(web: Any) -> None:
-    """The same Idempotency-Key from the same user charges once; the repeat is 409."""
+def test_repeated_idempotency_key_replays_and_is_charged_once(web: Any) -> None:
+    """The same Idempotency-Key from the same user returns the stored answer, charged once."""
     user, key = uuid.uuid4().hex, str(uuid.uuid4())
     first = invoke(web, http_event("POST", "/ok", body={}, user=user,
                                    headers={"Idempotency-Key": key}))
     second = invoke(web, http_event("POST", "/ok", body={}, user=user,
                                     headers={"Idempotency-Key": key}))
-    assert first.status == 200
-    assert second.status == 409 and second.body["error"]["code"] == "idempotency_conflict"
+    assert first.status == 200 and "idempotent-replayed" not in first.headers
+    assert second.status == 200 and second.headers["idempotent-replayed"] == "true"
+    assert second.body == first.body
     assert calls == ["ok"]
     assert used(web, user) == 5
+
+
+def test_idempotency_key_with_another_body_is_409(web: Any) -> None:
+    """Reusing a key for a different request is refused and charges nothing more."""
+    user, key = uuid.uuid4().hex, str(uuid.uuid4())
+    assert invoke(web, http_event("POST", "/validated", body={"n": 1}, user=user,
+                                  headers={"Idempotency-Key": key})).status == 200
+    res = invoke(web, http_event("POST", "/validated", body={"n": 2}, user=user,
+                                 headers={"Idempotency-Key": key}))
+    assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
+    assert used(web, user) == 5
+
+
+def test_idempotency_key_in_flight_is_409(web: Any) -> None:
+    """A repeat while the first request with the key still runs gets 409, not a second call."""
+    import asyncio
+
+    from usage_limits.web import idempotency as idem
+
+    user, key = uuid.uuid4().hex, "in-flight"
+    record = idem.record_data(user, "k:" + key, "POST", "/ok", b"", b"{}")
+    asyncio.get_event_loop().run_until_complete(idem.begin(record, 10_000))
+    res = invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                 headers={"Idempotency-Key": key}))
+    assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
+    assert calls == [] and used(web, user) == 0
+
+
+def test_guard_still_refuses_a_charged_id_without_a_stored_answer(web: Any) -> None:
+    """If the stored answer is gone, the ledger still charges the key only once (409)."""
+    from usage_limits.web import idempotency as idem
+
+    user, key = uuid.uuid4().hex, "lost-record"
+    assert invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                  headers={"Idempotency-Key": key})).status == 200
+    record = idem.record_data(user, "k:" + key, "POST", "/ok", b"", b"{}")
+    import asyncio
+
+    asyncio.get_event_loop().run_until_complete(idem.abandon(record))
+    res = invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                 headers={"Idempotency-Key": key}))
+    assert res.status == 409 and calls == ["ok"] and used(web, user) == 5
 
 
 def test_idempotency_key_is_scoped_to_the_user(web: Any) -> None:

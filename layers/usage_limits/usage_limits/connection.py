@@ -83,7 +83,8 @@ def redis_from_env(
     serverless: bool | None = None,
     secret_id: str | None = None,
     region: str | None = None,
-) -> Redis | RedisCluster:
+    sync: bool = False,
+) -> Any:
     """An async Redis client configured from the environment; arguments beat variables.
 
     Call it once per execution environment and reuse the client across invocations. It
@@ -97,6 +98,8 @@ def redis_from_env(
             ``REDIS_AUTH`` would use (the URL must then hold no user or password).
         url, cluster, ..., region: explicit values for the fields of
             ``usage_limits.config.ConnectionSettings``; None means "read the environment".
+        sync: return the blocking ``redis.Redis``/``redis.cluster.RedisCluster`` with the
+            same settings (for libraries that need one, such as Powertools idempotency).
 
     Returns:
         ``redis.asyncio.cluster.RedisCluster`` when ``cluster`` is true, else
@@ -149,6 +152,9 @@ def redis_from_env(
     if address.tls:
         common.update(ssl_cert_reqs="required", ssl_check_hostname=True,
                       ssl_ca_certs=settings.tls_ca_file)
+
+    if sync:
+        return _sync_client(settings, common)
 
     if settings.cluster:
         # Exceeding max_connections on one node raises MaxConnectionsError in the cluster
@@ -421,3 +427,24 @@ def _parse_secret(secret_id: str, text: str) -> tuple[str | None, str]:
     if username is not None and not isinstance(username, str):
         raise InvalidArgument(f"Redis secret {secret_id!r} has a non-string 'username'")
     return username or None, password
+
+
+def _sync_client(settings: ConnectionSettings, common: dict[str, Any]) -> Any:
+    """The blocking client with the same timeouts, retries, TLS and credentials."""
+    import redis
+    import redis.cluster
+
+    address = settings.address
+    if settings.cluster:
+        return redis.cluster.RedisCluster(host=address.host, port=address.port, ssl=address.tls,
+                                          **common)
+    common = dict(common)
+    max_connections = common.pop("max_connections")
+    pool = redis.BlockingConnectionPool(
+        max_connections=max_connections,
+        timeout=settings.connect_timeout_s + settings.socket_timeout_s,
+        host=address.host, port=address.port, db=address.db,
+        **({"connection_class": redis.SSLConnection} if address.tls else {}),
+        **common,
+    )
+    return redis.Redis.from_pool(pool)

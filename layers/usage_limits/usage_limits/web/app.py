@@ -99,6 +99,9 @@ def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
 
     @app.exception_handler(InvalidArgument)
     async def invalid_argument(_: Request, exc: InvalidArgument) -> JSONResponse:
-        return error_response(400, "invalid_request", str(exc))
+        # Request input is validated by the routes' models and the guard; an
+        # InvalidArgument reaching here is a deployment setting (say, LLM_RATE) gone wrong.
+        log.error("server misconfiguration: %s", exc)
+        return error_response(500, "internal_error", "the server is misconfigured")
 
     return app

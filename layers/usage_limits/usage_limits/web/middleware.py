@@ -14,12 +14,18 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from starlette.requests import Request
+
 from ..deadline import deadline_scope, request_budget_s
+from ..exceptions import LimiterUnavailable
+from . import idempotency as idem
+from . import identity
 from . import observability as obs
-from .errors import error_response
+from .errors import ApiError, error_response, retry_after_header
 from .guard import STATE_KEY, RequestState
 from .settings import settings
 
@@ -43,24 +49,34 @@ class UsageLimitsMiddleware:
                                      f"request body is larger than {conf.max_body_bytes} bytes",
                                      limit_bytes=conf.max_body_bytes)(scope, receive, send)
                 return
-            await self._run(scope, _replay(body, receive), send, state)
+            record = _idempotency_record(scope, body)
+            if record is not None:
+                answered = await _claim(scope, receive, send, record, remaining_ms)
+                if answered:
+                    return
+            await self._run(scope, _replay(body, receive), send, state, record)
 
-    async def _run(self, scope: Scope, receive: Receive, send: Send, state: RequestState) -> None:
+    async def _run(self, scope: Scope, receive: Receive, send: Send, state: RequestState,
+                   record: dict[str, Any] | None = None) -> None:
         started = time.perf_counter()
         log = obs.logger()
         log.append_keys(request_id=_request_id(scope), route=f"{scope.get('method')} {scope.get('path')}",
                         user=None)
         status = 0
+        response_headers: list[tuple[bytes, bytes]] = []
+        response_body: list[bytes] = []
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal status
+            nonlocal status, response_headers
             if message["type"] == "http.response.start":
                 status = message["status"]
+                response_headers = list(message.get("headers", []))
                 if state.reservation is not None:
                     refunding = state.charge is not None and status >= 400
-                    headers = list(message.get("headers", []))
-                    headers += _ratelimit_headers(state, refunding)
-                    message = {**message, "headers": headers}
+                    message = {**message, "headers": response_headers
+                               + _ratelimit_headers(state, refunding)}
+            elif message["type"] == "http.response.body" and record is not None:
+                response_body.append(message.get("body", b""))
             await send(message)
 
         try:
@@ -87,11 +103,64 @@ class UsageLimitsMiddleware:
                         obs.count(obs.TOKENS_REFUNDED, cost)
                 except Exception:  # the response is already out; the charge stays
                     log.exception("refund failed; the charge stays until it leaves its window")
+            if record is not None:
+                try:
+                    if 200 <= status < 300:
+                        await idem.complete(record, status, response_headers,
+                                            b"".join(response_body))
+                    else:
+                        await idem.abandon(record)
+                except Exception:  # the record expires on its own
+                    log.exception("could not update the idempotency record")
             log.info("request", extra={
                 "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 2),
                 "tokens_charged": charge.cost if charge is not None else 0,
                 "tokens_refunded": refunded})
             obs.flush()
+
+
+def _idempotency_record(scope: Scope, body: bytes) -> dict[str, Any] | None:
+    """The idempotency record of a request with a valid key from an identified user."""
+    request = Request(scope)
+    try:
+        user = identity.user_id(request)
+        key = identity.request_id(request)
+    except ApiError:
+        return None  # the route answers 401/400 itself
+    if not key.startswith("k:"):
+        return None
+    return idem.record_data(user, key, scope.get("method", ""), scope.get("path", ""),
+                            scope.get("query_string", b""), body)
+
+
+async def _claim(scope: Scope, receive: Receive, send: Send, record: dict[str, Any],
+                 remaining_ms: int | None) -> bool:
+    """Claim the key; True when the request was answered here (replay or conflict)."""
+    try:
+        replay = await idem.begin(record, remaining_ms if remaining_ms is not None else 29_000)
+    except idem.InFlight:
+        response = error_response(409, "idempotency_conflict",
+                                  "a request with this Idempotency-Key is still in progress",
+                                  headers=retry_after_header(1))
+    except idem.KeyReused:
+        response = error_response(409, "idempotency_conflict",
+                                  "this Idempotency-Key was used for a different request")
+    except LimiterUnavailable:
+        response = error_response(503, "limiter_unavailable",
+                                  "the usage limiter is unavailable; nothing was charged",
+                                  headers=retry_after_header(1))
+    else:
+        if replay is None:
+            return False
+        await send({"type": "http.response.start", "status": replay.status,
+                    "headers": [(k.encode("latin-1"), v.encode("latin-1"))
+                                for k, v in replay.headers]
+                    + [(idem.REPLAY_HEADER.encode(), b"true"),
+                       (b"content-length", str(len(replay.body)).encode())]})
+        await send({"type": "http.response.body", "body": replay.body})
+        return True
+    await response(scope, receive, send)
+    return True
 
 
 async def _read_body(scope: Scope, receive: Receive, cap: int) -> bytes | None:

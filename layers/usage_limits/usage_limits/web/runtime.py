@@ -34,8 +34,12 @@ def get_redis() -> Any:
     loop = asyncio.get_running_loop()
     if _client is None or _client_loop is not loop:
         from ..connection import redis_from_env
+        from ..exceptions import InvalidArgument, LimiterUnavailable
 
-        _client, _client_loop = redis_from_env(), loop
+        try:
+            _client, _client_loop = redis_from_env(), loop
+        except InvalidArgument as exc:  # a deployment mistake, not the caller's: fail closed
+            raise LimiterUnavailable(f"redis is misconfigured: {exc}") from exc
     return _client
 
 

@@ -24,6 +24,7 @@ import httpx
 
 from usage_limits.deadline import remaining_s
 from usage_limits.exceptions import ProviderBusy
+from usage_limits.web import observability as obs
 from usage_limits.web import runtime
 from usage_limits.web.errors import ProviderError
 
@@ -110,8 +111,21 @@ class ProviderClient:
             ProviderError: the provider failed, timed out or sent something unusable.
         """
         url = path if path.startswith("http") else f"{self.base_url}{path}"
+        try:
+            return await self._request(method, url, cost=cost, json=json, params=params,
+                                       headers=headers)
+        except ProviderBusy:
+            obs.count(obs.PROVIDER_BUSY)
+            raise
+        except ProviderError:
+            obs.count(obs.UPSTREAM_ERROR)
+            raise
+
+    async def _request(self, method: str, url: str, *, cost: float, json: Any,
+                       params: Mapping[str, Any] | None, headers: Mapping[str, str] | None) -> Any:
         for _ in range(MAX_RATE_LIMITED_RETRIES + 1):
-            async with self.throttle.slot(cost=cost):
+            async with self.throttle.slot(cost=cost) as waited_s:
+                obs.count(obs.PROVIDER_WAIT_MS, round(waited_s * 1000, 3), unit="Milliseconds")
                 left = remaining_s()
                 if left < MIN_CALL_S:
                     raise ProviderBusy(self.name, 1.0, f"no time left to call {self.name}")
@@ -126,6 +140,7 @@ class ProviderClient:
                     raise ProviderError(f"the {self.name} provider could not be reached",
                                         provider=self.name) from exc
             if response.status_code == 429:
+                obs.count(obs.UPSTREAM_429)
                 wait = retry_after_s(response)
                 log.warning("%s answered 429; pausing every instance for %.2fs", self.name, wait)
                 await self.throttle.pause(wait)

@@ -51,8 +51,8 @@ class LeaseCheck:
         granted: the lease is held now.
         rank: 0-based place in the queue, -1 when not queued.
         free: leases free at the time of the check (may be <= 0).
-        expiry_at: epoch seconds by which enough leases expire for this caller's turn, at the
-            latest (None when unknown).
+        expiry_at: epoch seconds when to check again at the latest: enough leases will have
+            expired for this caller's turn, or a queue entry ahead expires (None: unknown).
     """
 
     granted: bool

@@ -21,8 +21,8 @@ Returns {granted, rank, free, expiry_ms}:
   granted    1 when the lease was taken (the caller now holds it until released or expired)
   rank       0-based place in the queue (-1 when not queued)
   free       leases free now (limit minus live leases; may be <= 0)
-  expiry_ms  (string) when enough live leases will have expired for this caller's turn,
-             at the latest (the caller polls by then), "" when not known
+  expiry_ms  (string) when to check again at the latest: enough live leases will have
+             expired for this caller's turn, or a queue entry expires; "" when not known
 ]]
 local leases, waiters, wexpiry = KEYS[1], KEYS[2], KEYS[3]
 local now = tonumber(ARGV[1])
@@ -75,12 +75,17 @@ redis.call('ZADD', wexpiry, now + waiter_ttl, id)
 keep(waiters, math.ceil(waiter_ttl) + 1000)
 keep(wexpiry, math.ceil(waiter_ttl) + 1000)
 -- This caller needs (rank - free + 1) more places; the leases that expire first give them
--- at the latest.
+-- at the latest. A queue entry that expires first (a dead waiter ahead) may move it up.
 local need = rank - free + 1
-local expiry = ''
+local expiry = nil
 if held > 0 then
   local nth = redis.call('ZRANGE', leases, math.min(need, held) - 1, math.min(need, held) - 1,
                          'WITHSCORES')
-  if nth[2] then expiry = nth[2] end
+  if nth[2] then expiry = tonumber(nth[2]) end
 end
-return {0, rank, free, expiry}
+local first = redis.call('ZRANGE', wexpiry, 0, 0, 'WITHSCORES')
+if first[2] and first[1] ~= id and (expiry == nil or tonumber(first[2]) < expiry) then
+  expiry = tonumber(first[2])
+end
+if expiry == nil then return {0, rank, free, ''} end
+return {0, rank, free, string.format('%.3f', expiry)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -66,8 +67,17 @@ def metrics() -> Metrics:
 
 
 def count(name: str, value: float = 1, unit: str = "Count") -> None:
-    """Add ``value`` to metric ``name`` for this request."""
+    """Add ``value`` to metric ``name`` for this request (nothing when metrics are off)."""
+    if _metrics_disabled():
+        return
     metrics().add_metric(name=name, unit=unit, value=value)
+
+
+@cache
+def _metrics_disabled() -> bool:
+    # Powertools stops printing when disabled but keeps collecting, and prints anyway once
+    # 100 values pile up: skip collecting instead.
+    return os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() in {"1", "true"}
 
 
 def flush() -> None:

@@ -89,7 +89,7 @@ def _default_message(dialect: str, fault: ApiFault, model: str) -> str:
     if fault.kind in ("rate", "tokens", "too_large") or fault.status == 429:
         if dialect == "openai":
             what = "tokens" if fault.kind in ("tokens", "too_large") else "requests"
-            unit = f"{what} per {_window_text(fault.details.get('window_s', 60.0))}"
+            unit = f"{what} per {_window_text(what, fault.details.get('window_s', 60.0))}"
             limit = fault.details.get("limit")
             limit_text = f" Limit {limit}." if limit is not None else ""
             if fault.kind == "too_large":
@@ -111,9 +111,14 @@ def _default_message(dialect: str, fault: ApiFault, model: str) -> str:
     return _reason(fault.status)
 
 
-def _window_text(window_s: float) -> str:
-    names = {1.0: "second (RPS)", 60.0: "min (RPM)", 3600.0: "hour (RPH)", 86400.0: "day (RPD)"}
-    return names.get(float(window_s), f"{window_s:g} s")
+def _window_text(what: str, window_s: float) -> str:
+    letter = what[0].upper()
+    names = {1.0: ("second", "S"), 60.0: ("min", "M"), 3600.0: ("hour", "H"),
+             86400.0: ("day", "D")}
+    if float(window_s) in names:
+        word, abbr = names[float(window_s)]
+        return f"{word} ({letter}P{abbr})"
+    return f"{window_s:g} s"
 
 
 def _openai_type(fault: ApiFault) -> str:

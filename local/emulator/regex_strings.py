@@ -57,7 +57,8 @@ def string_for_pattern(pattern: str, seed: object = 0, *, min_length: int = 0,
         return None
     rng = random.Random(f"{pattern}\x1f{seed}")
     for attempt in range(attempts):
-        extra = attempt // 3  # grow repeats when the result is too short
+        # Grow unbounded repeats when results come out too short.
+        extra = (attempt // 3) * max(1, min_length // 2)
         try:
             groups: dict[int, str] = {}
             text = _emit(tree, rng, extra, groups)

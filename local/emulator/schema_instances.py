@@ -122,10 +122,16 @@ class _Ctx:
     name: str = ""
     depth: int = 0
     index: int = 0
+    item: bool = False
 
-    def child(self, key: object, *, name: str | None = None, index: int = 0) -> _Ctx:
+    def child(self, key: object, *, name: str | None = None, index: int | None = None) -> _Ctx:
         return _Ctx(self.path + (key,), self.name if name is None else name,
-                    self.depth + 1, index)
+                    self.depth + 1, index or 0, index is not None)
+
+    @property
+    def slot(self) -> tuple[object, ...]:
+        """The path shared by all items of one array (so items can differ by index)."""
+        return self.path[:-1] if self.item else self.path
 
 
 class _Generator:
@@ -246,7 +252,7 @@ class _Generator:
         if not values:
             raise _Unsatisfiable("empty enum")
         real = [v for v in values if v is not None] or values
-        base = stable_int(self.seed, ctx.path) + ctx.index + self.attempt
+        base = stable_int(self.seed, ctx.slot) + ctx.index + self.attempt
         return real[base % len(real)]
 
     def choose_type(self, s: dict[str, Any], ctx: _Ctx) -> str:
@@ -385,7 +391,7 @@ class _Generator:
         name = ctx.name.lower()
         parts = set(re.split(r"[^a-z]+", re.sub(r"([a-z])([A-Z])", r"\1_\2", ctx.name).lower()))
         rng = self.rng(ctx, "text")
-        i = stable_int(self.seed, self.attempt, ctx.path) + ctx.index
+        i = stable_int(self.seed, self.attempt, ctx.slot) + ctx.index
         words = self.words
         if "email" in name:
             return f"{FIRST_NAMES[i % 8]}.{LAST_NAMES[(i >> 3) % 8]}@example.com".lower()

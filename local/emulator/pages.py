@@ -215,7 +215,12 @@ async def slow(request: Request) -> Response:
     ms = _float_param(request, "ms", 5000.0)
     if not 0 <= ms <= _MAX_SLOW_MS:
         raise ApiFault(400, f"ms must be within [0, {_MAX_SLOW_MS}]")
-    await asyncio.sleep(ms / 1000)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ms / 1000
+    while (left := deadline - loop.time()) > 0:
+        await asyncio.sleep(min(left, 0.05))
+        if await request.is_disconnected():
+            break  # the client gave up: free the server (and its shutdown) early
     return HTMLResponse(f"<!doctype html><html><body><p>Slow page after {ms:g} ms</p>"
                         "</body></html>")
 

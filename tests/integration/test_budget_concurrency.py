@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
+
 from usage_limits import TokenBudget, Window
 
 PLAN = [(200, 3600.0), (300, 86_400.0)]  # (limit, seconds): the 200-token window binds

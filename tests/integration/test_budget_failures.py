@@ -11,9 +11,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
-from usage_limits import LimiterUnavailable, TokenBudget, Window
 
 from local.redis_servers import RedisServer, free_port
+from usage_limits import LimiterUnavailable, TokenBudget, Window
 
 
 def client(port: int, timeout: float) -> aioredis.Redis:

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+
 from usage_limits import TokenBudget, Window
 from usage_limits._scripts import script
 from usage_limits.keys import user_keys

@@ -7,6 +7,7 @@ from importlib import resources
 from typing import Any
 
 import pytest
+
 import usage_limits
 from usage_limits import CostExceedsLimit, InvalidArgument, TokenBudget, Window
 from usage_limits.budget import _decode_reservation, _decode_usage
@@ -134,12 +135,15 @@ def test_shared_ledger_code_is_identical_in_reserve_and_usage() -> None:
 def test_reservation_decoding_picks_the_binding_window() -> None:
     """Admitted: the window with least room binds; rejected: the one with the longest wait."""
     plan = (Window(10, 1), Window(50, 60))
-    ok = _decode_reservation([1, 0, 0, 5000, 8, 5900, 0, 45, 60_100, 0], 3, plan)
-    assert (ok.allowed, ok.remaining, ok.limit, ok.window_s) == (True, 2, 10, 1.0)
+    ok = _decode_reservation([1, 0, 0, 8, 5900, 45, 60_100], 3, plan)
+    assert (ok.allowed, ok.duplicate, ok.remaining) == (True, False, 2)
+    assert (ok.limit, ok.window_s) == (10, 1.0)
     assert ok.windows[1].remaining == 5 and ok.windows[1].resets_at == 60.1
-    no = _decode_reservation([0, 0, 7_000, 5000, 8, 5900, 900, 49, 60_100, 7_000], 3, plan)
+    no = _decode_reservation([0, 7_000, 2, 8, 5900, 49, 60_100], 3, plan)
     assert (no.allowed, no.retry_after_s, no.limit, no.window_s) == (False, 7.0, 50, 60.0)
-    assert no.remaining == 1 and no.now_ms == 5000
+    assert no.remaining == 1
+    dup = _decode_reservation([2, 0, 0, 8, 5900, 45, 60_100], 3, plan)
+    assert dup.allowed and dup.duplicate
 
 
 def test_usage_decoding_reads_events_with_spaces_in_routes() -> None:

@@ -134,8 +134,6 @@ class Reservation:
             when allowed the window with the least remaining (the shortest one on a tie).
         window_s: length of the binding window, seconds.
         windows: every window of the plan, shortest first.
-        now_ms: the ledger's clock for this call (the caller's time, never below an
-            earlier call's time for this user).
     """
 
     allowed: bool
@@ -146,7 +144,6 @@ class Reservation:
     limit: int
     window_s: float
     windows: tuple[WindowUsage, ...]
-    now_ms: int
 
 
 @dataclass(frozen=True)
@@ -352,6 +349,10 @@ def _now_ms(now_ms: int | None) -> int:
     return now_ms
 
 
+# budget_reserve.lua's status codes
+_REJECTED, _CHARGED, _DUPLICATE = 0, 1, 2
+
+
 def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
@@ -363,22 +364,17 @@ def _window(w: Window, used: int, resets_at_ms: int) -> WindowUsage:
 
 def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...]) -> Reservation:
     """A ``Reservation`` from the reply of budget_reserve.lua (see its header)."""
-    allowed, duplicate, retry_ms, now = (int(x) for x in reply[:4])
-    states = []
-    waits = []
-    for i, w in enumerate(plan):
-        used, resets, wait = (int(x) for x in reply[4 + 3 * i: 7 + 3 * i])
-        states.append(_window(w, used, resets))
-        waits.append(wait)
-    if allowed:
-        binding = min(range(len(plan)), key=lambda i: states[i].remaining)
+    status, retry_ms, binding = int(reply[0]), int(reply[1]), int(reply[2])
+    states = tuple(_window(w, int(reply[3 + 2 * i]), int(reply[4 + 2 * i]))
+                   for i, w in enumerate(plan))
+    if status == _REJECTED:
+        bind = plan[binding - 1]
     else:
-        binding = max(range(len(plan)), key=lambda i: waits[i])
+        bind = plan[min(range(len(plan)), key=lambda i: states[i].remaining)]
     return Reservation(
-        allowed=bool(allowed), remaining=min(s.remaining for s in states),
-        retry_after_s=retry_ms / 1000.0, duplicate=bool(duplicate), cost=cost,
-        limit=plan[binding].limit, window_s=float(plan[binding].seconds), windows=tuple(states),
-        now_ms=now)
+        allowed=status != _REJECTED, remaining=min(s.remaining for s in states),
+        retry_after_s=retry_ms / 1000.0, duplicate=status == _DUPLICATE, cost=cost,
+        limit=bind.limit, window_s=float(bind.seconds), windows=states)
 
 
 def _decode_usage(reply: list[Any], plan: tuple[Window, ...]) -> Usage:

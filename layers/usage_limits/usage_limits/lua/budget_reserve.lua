@@ -18,15 +18,16 @@ ARGV[5]  route       route recorded with the charge (audit trail), may be empty
 ARGV[6]  margin_ms   keys live this long past the longest window, ms (integer >= 0)
 ARGV[7.. ] window_ms, limit pairs, shortest window first: window length in ms, limit in tokens
 
-Returns {allowed, duplicate, retry_after_ms, now_ms, then per ARGV window:
-         used, resets_at_ms, retry_ms}
-  allowed         1 when the request is charged (or was, by this same call), else 0
-  duplicate       1 when the id was already charged by another call: nothing charged now
-  retry_after_ms  0 when allowed; else when enough old events leave every failing window
-  now_ms          the clock used: max(ARGV now_ms, clk)
+Returns {status, retry_after_ms, binding, then per ARGV window: used, resets_at_ms}
+  status          1 charged (now, or by this very call before a client re-sent it);
+                  2 duplicate: the id was charged by another call, nothing charged now;
+                  0 rejected: some window lacks room, nothing charged
+  retry_after_ms  0 unless rejected; else ms until enough of the oldest events have left
+                  every failing window (the longest of their waits)
+  binding         when rejected, the position (1-based) of the window with that wait; else 0
   used            tokens in the window after this call
-  resets_at_ms    when the oldest counted event leaves the window (now_ms when it is empty)
-  retry_ms        0 when the window has room, else its own wait
+  resets_at_ms    when the oldest counted event leaves the window (the clock used, i.e.
+                  max(ARGV now_ms, clk), when it is empty)
 ]]
 local log_key = KEYS[1]
 local ev_key = KEYS[2]
@@ -61,15 +62,26 @@ local function count_upto(ms)
   return redis.call('ZCOUNT', log_key, '-inf', int(ms))
 end
 
--- Sum of the current costs of the events ranked first..last (0-based, inclusive).
-local function sum_ranks(first, last)
+-- Ids of the events scored in (lo, hi], oldest first. One call when fewer than BATCH; a
+-- long pause continues by rank, so a large range is never re-walked from its start.
+local function ids_between(lo, hi)
+  local ids = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(lo), int(hi), 'LIMIT', 0, BATCH)
+  if #ids < BATCH then return ids end
+  local last = count_upto(hi) - 1
+  for start = count_upto(lo) + BATCH, last, BATCH do
+    local more = redis.call('ZRANGE', log_key, start, math.min(start + BATCH - 1, last))
+    for i = 1, #more do ids[#ids + 1] = more[i] end
+  end
+  return ids
+end
+
+-- Sum of the current costs of the given events.
+local function sum_costs(ids)
   local total = 0
-  for start = first, last, BATCH do
-    local ids = redis.call('ZRANGE', log_key, start, math.min(start + BATCH - 1, last))
-    if #ids > 0 then
-      local recs = redis.call('HMGET', ev_key, unpack(ids))
-      for i = 1, #recs do total = total + record_cost(recs[i]) end
-    end
+  for start = 1, #ids, BATCH do
+    local stop = math.min(start + BATCH - 1, #ids)
+    local recs = redis.call('HMGET', ev_key, unpack(ids, start, stop))
+    for i = 1, #recs do total = total + record_cost(recs[i]) end
   end
   return total
 end
@@ -100,26 +112,27 @@ local function advance(m, now, wanted)
       -- First use of this window by this user (a plan change): count what the log still
       -- holds, once. This one call costs O(events in the window); later calls do not.
       local b = now - w
-      m.windows[w] = {total = sum_ranks(count_upto(b), redis.call('ZCARD', log_key) - 1), lo = b}
+      m.windows[w] = {total = sum_costs(ids_between(b, now)), lo = b}
     end
   end
   local longest = 0
+  for w in pairs(m.windows) do longest = math.max(longest, w) end
   for w, s in pairs(m.windows) do
     local b = now - w
     if s.lo < b then
       -- events in (lo, b] have left the window since the last call: subtract each once
-      s.total = s.total - sum_ranks(count_upto(s.lo), count_upto(b) - 1)
+      local gone = ids_between(s.lo, b)
+      s.total = s.total - sum_costs(gone)
       s.lo = b
+      if w == longest and #gone > 0 then
+        -- they have left every window (each cursor is past them): delete them
+        for start = 1, #gone, BATCH do
+          redis.call('HDEL', ev_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
+        end
+        redis.call('ZREMRANGEBYSCORE', log_key, '-inf', int(b))
+      end
     end
-    if w > longest then longest = w end
   end
-  -- Events older than the longest window are out of every total (each cursor is past them).
-  local old = count_upto(now - longest)
-  for start = 0, old - 1, BATCH do
-    local ids = redis.call('ZRANGE', log_key, start, math.min(start + BATCH - 1, old - 1))
-    redis.call('HDEL', ev_key, unpack(ids))
-  end
-  if old > 0 then redis.call('ZREMRANGEBYRANK', log_key, 0, old - 1) end
   return longest
 end
 
@@ -182,12 +195,11 @@ local m = load_meta()
 local now = math.max(now_arg, m.clk)
 local longest = advance(m, now, call_windows)
 
-local function reply(allowed, duplicate, retry, waits)
-  local out = {allowed, duplicate, retry, now}
-  for i, w in ipairs(call_windows) do
+local function reply(status, retry, binding)
+  local out = {status, retry, binding}
+  for _, w in ipairs(call_windows) do
     out[#out + 1] = m.windows[w].total
     out[#out + 1] = resets_at(now, w)
-    out[#out + 1] = waits[i] or 0
   end
   return out
 end
@@ -196,24 +208,24 @@ if redis.call('ZSCORE', log_key, request_id) then
   save_meta(m, now, longest)
   local rec = redis.call('HGET', ev_key, request_id)
   local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
-  return reply(1, same_call and 0 or 1, 0, {})
+  return reply(same_call and 1 or 2, 0, 0)
 end
 
-local retry, waits = 0, {}
+local retry, binding = 0, 0
 for i, w in ipairs(call_windows) do
   local total = m.windows[w].total
   if total + cost > limits[i] then
-    waits[i] = wait_ms(now, w, total + cost - limits[i])
-    retry = math.max(retry, waits[i])
+    local wait = wait_ms(now, w, total + cost - limits[i])
+    if wait > retry then retry, binding = wait, i end
   end
 end
 if retry > 0 then
   save_meta(m, now, longest)
-  return reply(0, 0, retry, waits)
+  return reply(0, retry, binding)
 end
 
 redis.call('ZADD', log_key, int(now), request_id)
 redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
 for _, s in pairs(m.windows) do s.total = s.total + cost end
 save_meta(m, now, longest)
-return reply(1, 0, 0, {})
+return reply(1, 0, 0)

@@ -47,15 +47,26 @@ local function count_upto(ms)
   return redis.call('ZCOUNT', log_key, '-inf', int(ms))
 end
 
--- Sum of the current costs of the events ranked first..last (0-based, inclusive).
-local function sum_ranks(first, last)
+-- Ids of the events scored in (lo, hi], oldest first. One call when fewer than BATCH; a
+-- long pause continues by rank, so a large range is never re-walked from its start.
+local function ids_between(lo, hi)
+  local ids = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(lo), int(hi), 'LIMIT', 0, BATCH)
+  if #ids < BATCH then return ids end
+  local last = count_upto(hi) - 1
+  for start = count_upto(lo) + BATCH, last, BATCH do
+    local more = redis.call('ZRANGE', log_key, start, math.min(start + BATCH - 1, last))
+    for i = 1, #more do ids[#ids + 1] = more[i] end
+  end
+  return ids
+end
+
+-- Sum of the current costs of the given events.
+local function sum_costs(ids)
   local total = 0
-  for start = first, last, BATCH do
-    local ids = redis.call('ZRANGE', log_key, start, math.min(start + BATCH - 1, last))
-    if #ids > 0 then
-      local recs = redis.call('HMGET', ev_key, unpack(ids))
-      for i = 1, #recs do total = total + record_cost(recs[i]) end
-    end
+  for start = 1, #ids, BATCH do
+    local stop = math.min(start + BATCH - 1, #ids)
+    local recs = redis.call('HMGET', ev_key, unpack(ids, start, stop))
+    for i = 1, #recs do total = total + record_cost(recs[i]) end
   end
   return total
 end
@@ -86,26 +97,27 @@ local function advance(m, now, wanted)
       -- First use of this window by this user (a plan change): count what the log still
       -- holds, once. This one call costs O(events in the window); later calls do not.
       local b = now - w
-      m.windows[w] = {total = sum_ranks(count_upto(b), redis.call('ZCARD', log_key) - 1), lo = b}
+      m.windows[w] = {total = sum_costs(ids_between(b, now)), lo = b}
     end
   end
   local longest = 0
+  for w in pairs(m.windows) do longest = math.max(longest, w) end
   for w, s in pairs(m.windows) do
     local b = now - w
     if s.lo < b then
       -- events in (lo, b] have left the window since the last call: subtract each once
-      s.total = s.total - sum_ranks(count_upto(s.lo), count_upto(b) - 1)
+      local gone = ids_between(s.lo, b)
+      s.total = s.total - sum_costs(gone)
       s.lo = b
+      if w == longest and #gone > 0 then
+        -- they have left every window (each cursor is past them): delete them
+        for start = 1, #gone, BATCH do
+          redis.call('HDEL', ev_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
+        end
+        redis.call('ZREMRANGEBYSCORE', log_key, '-inf', int(b))
+      end
     end
-    if w > longest then longest = w end
   end
-  -- Events older than the longest window are out of every total (each cursor is past them).
-  local old = count_upto(now - longest)
-  for start = 0, old - 1, BATCH do
-    local ids = redis.call('ZRANGE', log_key, start, math.min(start + BATCH - 1, old - 1))
-    redis.call('HDEL', ev_key, unpack(ids))
-  end
-  if old > 0 then redis.call('ZREMRANGEBYRANK', log_key, 0, old - 1) end
   return longest
 end
 

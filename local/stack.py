@@ -28,6 +28,10 @@ def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
     """Start what is missing, export its settings into ``os.environ``, yield what was set."""
     env = os.environ if env is None else env  # type: ignore[assignment]
     started: dict[str, str] = {"ATTO_ENV": "local"}
+    # Quiet by default locally: one JSON line per request at INFO, EMF metrics on request.
+    for name, value in (("LOG_LEVEL", "WARNING"), ("POWERTOOLS_METRICS_DISABLED", "true")):
+        if name not in env:
+            started[name] = value
     with contextlib.ExitStack() as stack:
         if not env.get("REDIS_URL"):
             server = stack.enter_context(RedisServer())

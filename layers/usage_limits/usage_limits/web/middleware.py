@@ -41,7 +41,8 @@ class UsageLimitsMiddleware:
         state = RequestState()
         scope.setdefault("state", {})[STATE_KEY] = state
         context = scope.get("aws.context")
-        remaining_ms = context.get_remaining_time_in_millis() if context is not None else None
+        remaining_ms = (context.get_remaining_time_in_millis() if context is not None
+                        else int(conf.request_timeout_s * 1000))
         with deadline_scope(request_budget_s(remaining_ms, conf.deadline_margin_s)):
             body = await _read_body(scope, receive, conf.max_body_bytes)
             if body is None:

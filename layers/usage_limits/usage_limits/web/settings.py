@@ -17,10 +17,12 @@ ATTO_ENV = "ATTO_ENV"                  # "local" enables the X-Atto-User header;
 ATTO_BUDGET = "ATTO_BUDGET"            # the plan, e.g. "100/1h,1000/30d"
 ATTO_MAX_BODY_BYTES = "ATTO_MAX_BODY_BYTES"
 ATTO_DEADLINE_MARGIN_S = "ATTO_DEADLINE_MARGIN_S"
+ATTO_REQUEST_TIMEOUT_S = "ATTO_REQUEST_TIMEOUT_S"  # outside Lambda: the function timeout to assume
 
 DEFAULT_BUDGET = "100/1h,1000/30d"
 DEFAULT_MAX_BODY_BYTES = 256 * 1024
 DEFAULT_DEADLINE_MARGIN_S = 0.5
+DEFAULT_REQUEST_TIMEOUT_S = 29.0
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _WINDOW = re.compile(r"\s*(\d+)\s*/\s*(\d*)\s*([smhd])\s*")
@@ -57,12 +59,15 @@ class WebSettings:
         plan: the budget windows as (limit, seconds), shortest first.
         max_body_bytes: request bodies above this get 413 ``payload_too_large``.
         deadline_margin_s: time kept back from the request deadline for refunds.
+        request_timeout_s: the timeout assumed when there is no Lambda context (local
+            serving); in Lambda the context's remaining time is used.
     """
 
     local: bool = False
     plan: tuple[tuple[int, int], ...] = parse_plan(DEFAULT_BUDGET)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     deadline_margin_s: float = DEFAULT_DEADLINE_MARGIN_S
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WebSettings:
@@ -75,16 +80,18 @@ class WebSettings:
         try:
             max_body = int(env.get(ATTO_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES))
             margin = float(env.get(ATTO_DEADLINE_MARGIN_S, DEFAULT_DEADLINE_MARGIN_S))
+            timeout = float(env.get(ATTO_REQUEST_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S))
         except ValueError as exc:
             raise InvalidArgument(f"malformed web setting: {exc}") from exc
-        if max_body <= 0 or margin < 0:
-            raise InvalidArgument(f"{ATTO_MAX_BODY_BYTES} must be > 0 and "
-                                  f"{ATTO_DEADLINE_MARGIN_S} >= 0")
+        if max_body <= 0 or margin < 0 or timeout <= 0:
+            raise InvalidArgument(f"{ATTO_MAX_BODY_BYTES} and {ATTO_REQUEST_TIMEOUT_S} must be "
+                                  f"> 0 and {ATTO_DEADLINE_MARGIN_S} >= 0")
         return cls(
             local=env.get(ATTO_ENV, "").strip().lower() == "local",
             plan=parse_plan(env.get(ATTO_BUDGET, DEFAULT_BUDGET)),
             max_body_bytes=max_body,
             deadline_margin_s=margin,
+            request_timeout_s=timeout,
         )
 
 

@@ -22,8 +22,10 @@ PY312 := $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3
   $(shell $(p) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && echo $(p))))
 endif
 export PY312
-# samconfig.toml section: default (dev) or prod.
+# samconfig.toml section: default (dev) or prod. Checked, since some shells export ENV.
 ENV ?= default
+CHECK_ENV = @case "$(ENV)" in default|prod) ;; \
+  *) echo "ENV must be default or prod (a samconfig.toml section), got '$(ENV)'"; exit 2;; esac
 
 export SAM_CLI_TELEMETRY := 0
 export AWS_EC2_METADATA_DISABLED := true
@@ -43,13 +45,16 @@ tools: $(TOOLS_STAMP) ## Create .tools with the SAM CLI and cfn-lint (kept out o
 
 .PHONY: validate
 validate: $(TOOLS_STAMP) ## Lint template.yaml: cfn-lint, then sam validate --lint.
+	$(CHECK_ENV)
 	$(CFN_LINT) template.yaml
 	$(SAM) validate --lint --config-env $(ENV)
 
 .PHONY: build
 build: $(TOOLS_STAMP) ## sam build into .aws-sam/build, offline, no container (ENV=default|prod).
+	$(CHECK_ENV)
 	$(SAM) build --config-env $(ENV)
 
 .PHONY: deploy
 deploy: validate build ## Deploy the stack: make deploy ENV=prod (prod shows the change set first).
+	$(CHECK_ENV)
 	$(SAM) deploy --config-env $(ENV)

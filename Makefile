@@ -36,7 +36,7 @@ redis-server: ## Install Debian's redis-server when it is missing.
 	@# Debian's package starts a system redis on 6379; the project never uses it.
 
 .PHONY: test
-test: $(STAMP) redis-server ## Run every test (starts its own redis-server and Redis Cluster).
+test: $(STAMP) redis-server tools ## Run every test (starts its own redis-server and Redis Cluster).
 	$(PY) -m pytest
 
 .PHONY: serve
@@ -55,3 +55,5 @@ bench: $(STAMP) redis-server ## Run the benchmarks and print their tables.
 lint: $(STAMP) ## ruff and mypy.
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+include mk/sam.mk

@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         access_log=args.access_log, lifespan="off", timeout_graceful_shutdown=2))
     if args.exit_with_parent:
         _watch_parent()
+    # uvicorn re-raises the signal that stopped it once it has shut down; answering it
+    # quietly here makes SIGTERM and Ctrl-C a clean exit (status 0).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     if args.fd is not None:
         sock = socket.socket(fileno=args.fd)
         print(f"emulator: serving on fd {args.fd} ({sock.getsockname()})", file=sys.stderr)

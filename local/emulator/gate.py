@@ -37,6 +37,16 @@ async def request_json(request: Request) -> Any:
     return request.state.json_body
 
 
+async def sleep_while_connected(request: Request, seconds: float) -> None:
+    """Sleep ``seconds``, or less if the client hangs up (so shutdown need not wait)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while (left := deadline - loop.time()) > 0:
+        await asyncio.sleep(min(left, 0.05))
+        if await request.is_disconnected():
+            return
+
+
 def gated(family: str, dialect: str, route: str, *, auth: AuthCheck | None = None,
           cost: CostFn | None = None) -> Callable[[Handler], Handler]:
     """Wrap a handler of ``family`` whose errors speak ``dialect``; ``route`` names it in stats."""
@@ -50,7 +60,7 @@ def gated(family: str, dialect: str, route: str, *, auth: AuthCheck | None = Non
             try:
                 response, delay = await _answer(request, fam, dialect, handler, auth, cost)
                 if delay > 0:
-                    await asyncio.sleep(delay)
+                    await sleep_while_connected(request, delay)
                 headroom = fam.rate_headroom()
                 if headroom and dialect == "openai":
                     response.headers.update(openai_rate_headers(*headroom))

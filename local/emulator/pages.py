@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import html
 import json
 from collections.abc import AsyncIterator
@@ -22,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 
 from .dialects import ApiFault
+from .gate import sleep_while_connected
 from .salary import mean_salary
 from .text import (
     CITIES,
@@ -215,12 +215,7 @@ async def slow(request: Request) -> Response:
     ms = _float_param(request, "ms", 5000.0)
     if not 0 <= ms <= _MAX_SLOW_MS:
         raise ApiFault(400, f"ms must be within [0, {_MAX_SLOW_MS}]")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + ms / 1000
-    while (left := deadline - loop.time()) > 0:
-        await asyncio.sleep(min(left, 0.05))
-        if await request.is_disconnected():
-            break  # the client gave up: free the server (and its shutdown) early
+    await sleep_while_connected(request, ms / 1000)
     return HTMLResponse(f"<!doctype html><html><body><p>Slow page after {ms:g} ms</p>"
                         "</body></html>")
 

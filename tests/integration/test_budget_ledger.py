@@ -200,6 +200,22 @@ async def test_clock_never_runs_backwards(redis_client, uid) -> None:  # type: i
     assert [(e.request_id, e.at_ms) for e in usage.events] == [("c", T0 + 150), ("b", T0 + 150)]
 
 
+@pytest.mark.parametrize("plan", [
+    [Window(50, s / 10) for s in range(1, 7)],
+    [Window(50, 3600), Window(60, 86_400), Window(70, 30 * 86_400)],
+])
+async def test_a_long_pause_retires_events_from_every_window(redis_client, uid, plan) -> None:  # type: ignore[no-untyped-def]
+    """After a pause longer than every window, each window's total is back to zero."""
+    budget = TokenBudget(redis_client, plan)
+    step, pause = plan[0].ms // 3, 2 * plan[-1].ms
+    for i in range(12):
+        assert (await budget.reserve(uid, f"r{i}", 1 + i % 3, now_ms=T0 + step * i)).allowed
+    assert await used(budget, uid, T0 + pause) == [0] * len(plan)
+    d = await budget.reserve(uid, "after", 5, now_ms=T0 + pause)
+    assert [w.used for w in d.windows] == [5] * len(plan)
+    assert await redis_client.zcard(keys_of(uid)[0]) == 1
+
+
 async def test_keys_expire_past_the_longest_window(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
     """Every key gets an expiry just past the longest window of the plan."""
     budget = TokenBudget(redis_client, [Window(100, 3600), Window(1000, 30 * 86400)])

@@ -100,10 +100,14 @@ local function advance(m, now, wanted)
       m.windows[w] = {total = sum_costs(ids_between(b, now)), lo = b}
     end
   end
-  local longest = 0
-  for w in pairs(m.windows) do longest = math.max(longest, w) end
-  for w, s in pairs(m.windows) do
-    local b = now - w
+  -- Shortest first: the longest window deletes what leaves it, and after a long pause a
+  -- shorter window must first subtract those same events.
+  local lengths = {}
+  for w in pairs(m.windows) do lengths[#lengths + 1] = w end
+  table.sort(lengths)
+  local longest = lengths[#lengths]
+  for _, w in ipairs(lengths) do
+    local s, b = m.windows[w], now - w
     if s.lo < b then
       -- events in (lo, b] have left the window since the last call: subtract each once
       local gone = ids_between(s.lo, b)

@@ -128,7 +128,7 @@ def _openai_type(fault: ApiFault) -> str:
         return "requests"
     if fault.status >= 500:
         return "server_error"
-    return fault.details.get("type", "invalid_request_error")
+    return str(fault.details.get("type", "invalid_request_error"))
 
 
 def _openai_code(fault: ApiFault) -> str | None:

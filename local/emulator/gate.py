@@ -109,8 +109,8 @@ async def _answer(request: Request, fam: Any, dialect: str, handler: Handler,
         return render(dialect, fault), 0.0
     except Exception as exc:  # noqa: BLE001 - an emulator bug must still answer
         log.exception("emulator handler failed")
-        fault = ApiFault(500, f"emulator error: {type(exc).__name__}: {exc}", kind="server")
-        return render(dialect, fault), 0.0
+        bug = ApiFault(500, f"emulator error: {type(exc).__name__}: {exc}", kind="server")
+        return render(dialect, bug), 0.0
 
 
 async def _model_of(request: Request) -> str:

@@ -87,8 +87,7 @@ async def chat_completions(request: Request) -> Response:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiFault(400, "you must provide a model parameter", details={"param": "model"})
-    messages = body.get("messages")
-    _check_messages(messages)
+    messages = _check_messages(body.get("messages"))
     n = body.get("n", 1)
     if not isinstance(n, int) or not 1 <= n <= 128:
         raise ApiFault(400, f"Invalid value for 'n': {n!r}.", details={"param": "n"})
@@ -157,7 +156,7 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse(completion, headers=headers)
 
 
-def _check_messages(messages: Any) -> None:
+def _check_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
         raise ApiFault(400, "Missing required parameter: 'messages'.",
                        details={"param": "messages", "code": "missing_required_parameter"})
@@ -174,6 +173,7 @@ def _check_messages(messages: Any) -> None:
             raise ApiFault(400, f"Missing required parameter: 'messages[{i}].content'.",
                            details={"param": f"messages[{i}].content",
                                     "code": "missing_required_parameter"})
+    return messages
 
 
 def _text_of(message: dict[str, Any]) -> str:

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import random
 import re
+import re._constants as _c  # Python 3.11+
+import re._parser as _p
 import string
 from typing import Any
-
-try:  # Python 3.11+
-    import re._constants as _c
-    import re._parser as _p
-except ImportError:  # pragma: no cover - older Pythons
-    import sre_constants as _c  # type: ignore[no-redef]
-    import sre_parse as _p  # type: ignore[no-redef]
 
 _PRINTABLE = string.ascii_letters + string.digits + " -_.,:;!?@#/"
 _CATEGORY = {

@@ -70,7 +70,7 @@ async def adzuna_auth(request: Request) -> ApiFault | None:
 
 
 def _country(request: Request) -> str:
-    country = request.path_params["country"].lower()
+    country = str(request.path_params["country"]).lower()
     if country not in COUNTRIES:
         raise ApiFault(400, f"Unsupported country '{country}'",
                        details={"exception": "UNSUPPORTED_COUNTRY"})

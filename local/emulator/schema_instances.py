@@ -53,7 +53,7 @@ from .text import (
 __all__ = ["generate_instance", "is_valid"]
 
 _ANY: dict[str, Any] = {}
-_NEVER = {"not": {}}
+_NEVER: dict[str, Any] = {"not": {}}
 _TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 _BASE_DATE = date(2026, 1, 5)
 _TITLE_WORDS = frozenset((
@@ -542,12 +542,13 @@ class _Generator:
         extra = 0
         names_schema = s.get("propertyNames")
         while len(out) < lo and extra < lo + 20:
-            key = self.extra_key(extra, ctx, pattern_props, additional, names_schema, out)
+            new_key = self.extra_key(extra, ctx, pattern_props, additional, names_schema, out)
             extra += 1
-            if key is None:
+            if new_key is None:
                 break
-            out[key] = self.value(self.property_schema(key, props, pattern_props, additional),
-                                  ctx.child(key, name=key))
+            out[new_key] = self.value(
+                self.property_schema(new_key, props, pattern_props, additional),
+                ctx.child(new_key, name=new_key))
         return out
 
     @staticmethod
@@ -797,4 +798,4 @@ def _multiple_ok(value: float, step: Any) -> bool:
             return int(q) == q
         except OverflowError:
             return (Fraction(value) / Fraction(step)).denominator == 1
-    return value % step == 0
+    return bool(value % step == 0)

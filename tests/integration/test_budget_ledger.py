@@ -163,6 +163,18 @@ async def test_retry_after_is_the_longest_wait_of_the_failing_windows(redis_clie
     assert (await budget.reserve(uid, "c", 3, now_ms=T0 + 1000)).allowed
 
 
+async def test_a_lowered_limit_waits_for_enough_charges_to_leave(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """When a plan's limit drops below what was spent, the wait covers the whole excess."""
+    budget = TokenBudget(redis_client, [Window(100, 1)])
+    for i in range(50):
+        await budget.reserve(uid, f"r{i}", 2, now_ms=T0 + i)
+    smaller = [Window(10, 1)]
+    d = await budget.reserve(uid, "x", 5, windows=smaller, now_ms=T0 + 50)
+    # 100 spent + 5 must drop to 10: 95 tokens, i.e. the 48 oldest charges (t = 0..47)
+    assert not d.allowed and d.retry_after_s == (47 + 1000 - 50) / 1000
+    assert (await budget.reserve(uid, "x", 5, windows=smaller, now_ms=T0 + 1047)).allowed
+
+
 async def test_cost_above_limit_raises_and_touches_nothing(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
     """A cost above a window's limit raises CostExceedsLimit and writes no key."""
     budget = TokenBudget(redis_client, [Window(10, 60), Window(5, 1)])

@@ -20,12 +20,16 @@ from typing import TYPE_CHECKING, Any
 from .config import FAMILIES, ConfigError, EmulatorConfig, FamilyConfig, Rate
 from .process import EmulatorProcess, EmulatorThread
 
+#: The default runner: the emulator in a child process (``EmulatorProcess``).
+Emulator = EmulatorProcess
+
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
 __all__ = [
     "FAMILIES",
     "ConfigError",
+    "Emulator",
     "EmulatorConfig",
     "EmulatorProcess",
     "EmulatorThread",

@@ -28,10 +28,10 @@ _VALUE_KNOBS = {"latency-ms": "latency_ms", "jitter-ms": "jitter_ms",
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m local.emulator",
                                 description="Offline emulator of Atto Cloud's upstream providers.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8100, help="port to bind (default 8100)")
     p.add_argument("--fd", type=int, default=None, help="serve on this inherited socket")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds failure draws and jitter")
     for flag, knob in _VALUE_KNOBS.items():
         p.add_argument(f"--{flag}", dest=knob, action="append", default=[],
                        metavar="[FAMILY=]VALUE", help=f"{knob} for every family or one")

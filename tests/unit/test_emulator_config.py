@@ -17,7 +17,8 @@ from local.emulator.state import EmulatorState, SlidingWindow, max_in_window
 def test_exported_names() -> None:
     """The package exports exactly its documented public names."""
     assert sorted(emulator.__all__) == sorted([
-        "FAMILIES", "ConfigError", "EmulatorConfig", "EmulatorProcess", "EmulatorThread",
+        "FAMILIES", "ConfigError", "Emulator", "EmulatorConfig", "EmulatorProcess",
+        "EmulatorThread",
         "FamilyConfig", "Rate", "create_app", "generate_instance"])
     for name in emulator.__all__:
         assert hasattr(emulator, name)

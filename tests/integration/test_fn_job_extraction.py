@@ -449,3 +449,103 @@ def test_same_key_for_another_request_is_409(handler: Any, env: EmulatorProcess)
                headers={"Idempotency-Key": key})
     assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
     assert arrivals(env, "llm") == 1 and used(user) == COST
+
+
+# -- TLS to a pinned address --------------------------------------------------------------
+
+@pytest.fixture
+def tls_site(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+             emulator: EmulatorProcess) -> Iterator[dict[str, Any]]:
+    """An HTTPS job page on 127.0.0.1 whose certificate names jobs.test, trusted by fetch."""
+    x509 = pytest.importorskip("cryptography.x509")
+    import datetime
+    import ssl
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject: str, key: Any, issuer: Any, issuer_key: Any, ca: bool) -> Any:
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+        builder = (x509.CertificateBuilder().subject_name(name)
+                   .issuer_name(issuer or name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(hours=1))
+                   .not_valid_after(now + datetime.timedelta(hours=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if ca:
+            builder = builder.add_extension(x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True,
+                content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        else:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName(subject)]), critical=False)
+        return builder.sign(issuer_key or key, hashes.SHA256())
+
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    ca_cert = cert("Test CA", ca_key, None, None, ca=True)
+    leaf = cert("jobs.test", leaf_key, ca_cert.subject, ca_key, ca=False)
+    pem = serialization.Encoding.PEM
+    (tmp_path / "leaf.pem").write_bytes(leaf.public_bytes(pem) + leaf_key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+    seen: dict[str, Any] = {"sni": [], "host": []}
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(tmp_path / "leaf.pem")
+    server_ctx.sni_callback = lambda sock, name, ctx: seen["sni"].append(name)
+    page = httpx.get(emulator.job_page_url(SLUG), trust_env=False).content
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen["host"].append(self.headers.get("Host"))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.socket = server_ctx.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    client_ctx = ssl.create_default_context(cadata=ca_cert.public_bytes(pem).decode())
+    monkeypatch.setattr(fetch, "_ssl", client_ctx)
+
+    async def resolve(host: str, port: int) -> list[str]:
+        return ["127.0.0.1"]
+
+    monkeypatch.setattr(fetch, "resolve_host", resolve)
+    try:
+        yield {"port": server.server_address[1], **seen}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_tls_uses_the_url_host_while_connecting_to_the_pinned_address(
+        handler: Any, env: EmulatorProcess, tls_site: dict[str, Any]) -> None:
+    """SNI, certificate check and Host use the URL's name; the socket goes to the checked IP."""
+    port, user = tls_site["port"], user_id()
+    res = post(handler, {"url": f"https://jobs.test:{port}/job/1"}, user=user)
+    assert res.status == 200, res.body
+    assert res.body["title"] == job_posting(SLUG)["title"]
+    assert tls_site["sni"] == ["jobs.test"] and tls_site["host"] == [f"jobs.test:{port}"]
+    assert used(user) == COST
+
+
+def test_tls_certificate_for_another_name_is_refused(
+        handler: Any, env: EmulatorProcess, tls_site: dict[str, Any]) -> None:
+    """A certificate that does not name the URL's host fails verification: 502 unreachable."""
+    user = user_id()
+    res = post(handler, {"url": f"https://evil.test:{tls_site['port']}/job/1"}, user=user)
+    assert res.status == 502 and res.body["error"]["reason"] == "unreachable"
+    assert used(user) == 0

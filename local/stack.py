@@ -20,7 +20,9 @@ EMULATOR_ROUTES = {
     "SEARCH_BASE_URL": "/tavily",
 }
 EMULATOR_KEYS = {"LLM_API_KEY": "local-key", "SALARY_APP_ID": "local-id",
-                 "SALARY_APP_KEY": "local-key", "SEARCH_API_KEY": "local-key"}
+                 "SALARY_APP_KEY": "local-key", "SEARCH_API_KEY": "local-key",
+                 # the emulator's job pages live on loopback; honoured only in local mode
+                 "PAGES_ALLOW_PRIVATE_HOSTS": "127.0.0.1"}
 
 
 @contextlib.contextmanager

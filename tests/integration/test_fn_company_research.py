@@ -101,6 +101,8 @@ def test_brief_cites_its_sources_and_costs_20(handler: Any, env: EmulatorProcess
     assert all(u.startswith(env.url + "/pages/") and s["title"]
                for u, s in zip(urls, brief["sources"], strict=True))
     assert all(f["fact"] and f["source_url"] in urls for f in brief["key_facts"])
+    facts = [f["fact"].casefold() for f in brief["key_facts"]]
+    assert len(set(facts)) == len(facts)
     assert used(user) == COST
     assert arrivals(env, "search") == 1 and arrivals(env, "llm") == 1
 

@@ -209,17 +209,17 @@ def _skills(values: Any) -> list[str]:
     return out[:MAX_SKILLS]
 
 
-def _amount(value: Any) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value >= 0)
+def _amount(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) \
+            and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
 
 
 def _salary(value: Any) -> Salary | None:
     if not isinstance(value, dict):
         return None
-    low, high = value.get("min"), value.get("max")
-    low = float(low) if _amount(low) else None
-    high = float(high) if _amount(high) else None
+    low, high = _amount(value.get("min")), _amount(value.get("max"))
     if low is None and high is None:
         return None
     if low is not None and high is not None and low > high:

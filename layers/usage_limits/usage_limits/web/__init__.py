@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .app import COMMON_RESPONSES, METERED_RESPONSES, create_app
+from .app import COMMON_RESPONSES, METERED_RESPONSES, ErrorBody, create_app
 from .errors import (
     ApiError,
     BudgetExceeded,
@@ -18,7 +18,7 @@ from .guard import Charge, current_user, require_tokens
 from .settings import WebSettings, parse_plan, settings
 
 __all__ = [
-    "COMMON_RESPONSES", "METERED_RESPONSES", "ApiError", "BudgetExceeded", "Charge",
+    "COMMON_RESPONSES", "METERED_RESPONSES", "ApiError", "ErrorBody", "BudgetExceeded", "Charge",
     "IdempotencyConflict", "InvalidRequest", "LimiterUnavailableError", "PayloadTooLarge",
     "ProviderBusyError", "ProviderError", "Unauthorized", "WebSettings", "create_app",
     "current_user", "parse_plan", "require_tokens", "settings",

@@ -8,6 +8,7 @@ from typing import Any, get_args
 
 import httpx
 import pytest
+
 from atto_providers.salary import (
     COUNTRIES,
     Bucket,

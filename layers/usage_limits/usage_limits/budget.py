@@ -13,6 +13,19 @@ events that left a window since the previous call, so a call costs O(log N) plus
 expired events, never a sum over the window. Charges are tied to the request id: the same
 id is charged once, a refund removes it once, and ``settle`` may lower it afterwards.
 
+Things worth knowing:
+
+- Time is the caller's clock in ms, clamped per user so it never runs backwards (meta clk).
+- Each call draws a random nonce stored with the charge: when redis-py re-sends a
+  reservation whose reply was lost, the ledger recognises its own call and reports the
+  original success; a different call with the same id gets ``duplicate=True``.
+- A refund or settle that is re-sent finds nothing left to lower and returns False.
+- A window a user never had (a plan change) is counted once from the log, which costs
+  O(events in it) for that one call and cannot see events older than the windows kept so
+  far. Windows a user had stay maintained (cheaply) until the keys expire, so switching
+  plans back and forth stays exact; the log keeps events for the longest of them.
+- Keys expire ``key_margin_s`` after the longest window: an idle user costs nothing.
+
 Typical use::
 
     budget = TokenBudget(redis, windows=[Window(limit=100, seconds=3600),

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from local.redis_servers import RedisServer, free_port
 from usage_limits import deadline

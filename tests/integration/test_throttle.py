@@ -402,3 +402,39 @@ async def _until(count: Any, at_least: int) -> None:
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"never reached {at_least}")
+
+
+async def test_standalone_waiters_are_woken_by_pub_sub(standalone_client: Any, uid: str) -> None:
+    """On a standalone client a release wakes the waiter before its safety-net poll, and the
+    shared subscription is gone once nobody waits."""
+    from usage_limits._semaphore import SUBSCRIBED_POLL_S
+
+    th = ProviderThrottle(standalone_client, uid, rate=1000, burst=10, max_concurrency=1,
+                          lease_s=30)
+    [channel] = provider_keys(uid, "free")
+    exited: list[float] = []
+    entered: list[float] = []
+    subscribers: list[int] = []
+
+    async def holder() -> None:
+        async with th.slot(max_wait_s=1):
+            await _until(lambda: standalone_client.zcard(lease_keys(uid)[1]), 1)
+            await asyncio.sleep(0.05)  # the waiter subscribes, then re-checks
+            subscribers.append((await standalone_client.pubsub_numsub(channel))[0][1])
+            exited.append(time.time())
+
+    async def waiter() -> None:
+        await asyncio.sleep(0.01)
+        async with th.slot(max_wait_s=5):
+            entered.append(time.time())
+
+    await asyncio.gather(holder(), waiter())
+    assert subscribers == [1]
+    assert entered[0] - exited[0] < SUBSCRIBED_POLL_S
+    for _ in range(100):  # the listener task closes its connection once cancelled
+        if (await standalone_client.pubsub_numsub(channel))[0][1] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (await standalone_client.pubsub_numsub(channel))[0][1] == 0
+    assert th._semaphore is not None and th._semaphore._wakeups is not None
+    assert th._semaphore._wakeups._task is None

@@ -92,13 +92,13 @@ class LeaseSemaphore:
         loop = asyncio.get_running_loop()
         lease_id = uuid.uuid4().hex
         queue = deadline > loop.time()
-        check = await self._check(lease_id, queue=queue)
-        if check.granted:
-            return lease_id
-        if not queue:
-            raise self._busy(check)
         try:
-            async with self._listening() as wakeups:
+            check = await self._check(lease_id, queue=queue)
+            if check.granted:
+                return lease_id
+            if not queue:
+                raise self._busy(check)
+            async with self._listening(deadline - loop.time()) as wakeups:
                 while True:
                     seen = wakeups.count if wakeups else 0
                     check = await self._check(lease_id, queue=True)
@@ -107,12 +107,13 @@ class LeaseSemaphore:
                     left = deadline - loop.time()
                     if left <= 0:
                         raise self._busy(check)
+                    subscribed = wakeups is not None and wakeups.alive
                     pause = min(left, WAITER_TTL_S / 3,
-                                SUBSCRIBED_POLL_S if wakeups else
+                                SUBSCRIBED_POLL_S if subscribed else
                                 min(POLL_MAX_S, POLL_STEP_S * check.missing))
                     if check.expiry_at is not None:
                         pause = min(pause, max(0.001, check.expiry_at - time.time() + 0.001))
-                    if wakeups:
+                    if wakeups is not None and subscribed:
                         await wakeups.wait(seen + check.missing, pause)
                     else:
                         await asyncio.sleep(pause)
@@ -156,11 +157,11 @@ class LeaseSemaphore:
                             f"retry after {retry_after:.3f}s")
 
     @contextlib.asynccontextmanager
-    async def _listening(self) -> AsyncIterator[_Wakeups | None]:
+    async def _listening(self, within_s: float) -> AsyncIterator[_Wakeups | None]:
         if self._wakeups is None:
             yield None
             return
-        async with self._wakeups.session() as subscribed:
+        async with self._wakeups.session(within_s) as subscribed:
             yield self._wakeups if subscribed else None
 
 
@@ -176,20 +177,23 @@ class _Wakeups:
 
     ``count`` is the number of release messages seen; a waiter that needs ``n`` more places
     sleeps until ``count`` grew by ``n`` (or its poll interval passed), then re-checks.
+    ``alive`` turns False when the subscription broke; waiters then poll.
     """
 
     def __init__(self, client: Any, channel: str) -> None:
         self._client = client
         self._channel = channel
         self.count = 0
+        self.alive = False
         self._users = 0
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[bool] | None = None
         self._event: asyncio.Event | None = None
 
     @contextlib.asynccontextmanager
-    async def session(self) -> AsyncIterator[bool]:
-        """Be subscribed inside the block; yields False when subscribing failed (poll)."""
+    async def session(self, within_s: float) -> AsyncIterator[bool]:
+        """Be subscribed inside the block; yields False (poll) when that failed or took
+        longer than ``within_s`` (e.g. a connection pool at its limit)."""
         self._users += 1
         try:
             if self._task is None or self._ready is None:
@@ -197,7 +201,12 @@ class _Wakeups:
                 self._event = asyncio.Event()
                 self._task = asyncio.create_task(self._listen(self._ready))
             # Subscribed before the waiter's next check: no release can fall in between.
-            yield await asyncio.shield(self._ready)
+            try:
+                async with asyncio.timeout(max(0.0, within_s)):
+                    subscribed = await asyncio.shield(self._ready)
+            except TimeoutError:
+                subscribed = False
+            yield subscribed
         finally:
             self._users -= 1
             if self._users == 0 and self._task is not None:
@@ -227,6 +236,7 @@ class _Wakeups:
                 if message is None:
                     continue
                 if message["type"] == "subscribe" and not ready.done():
+                    self.alive = True
                     ready.set_result(True)
                 elif message["type"] == "message":
                     self.count += 1
@@ -238,6 +248,8 @@ class _Wakeups:
         except Exception as exc:  # waiters fall back to polling; the scripts report outages
             log.debug("wake-up subscription to %s failed: %s", self._channel, exc)
         finally:
+            if self._task in (None, asyncio.current_task()):  # not when a new one took over
+                self.alive = False
             if not ready.done():
                 ready.set_result(False)
             with contextlib.suppress(Exception):

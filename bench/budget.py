@@ -10,6 +10,7 @@ whole window on every call (what the running totals avoid).
 Columns: client latency p50/p99 (µs, asyncio client, one connection), Redis server time per
 call (µs, ``usec_per_call`` of evalsha in INFO commandstats, reset before each run), and
 Redis memory per spend event (MEMORY USAGE SAMPLES 0 of log + ev + meta, divided by N).
+Lua garbage of the naive script is collected (unmeasured) after each of its runs.
 
     .venv/bin/python bench/budget.py            # full run (about a minute)
     .venv/bin/python bench/budget.py --quick    # fewer calls per size
@@ -160,6 +161,9 @@ async def run(quick: bool) -> None:
             for ledger, r, nv in zip(ledgers, reserves, naives, strict=True):
                 await block(client, r, per_round, ledger.reserve)
                 await block(client, nv, max(1, naive_budget_calls // ledger.n), ledger.naive)
+                # the naive script leaves Lua garbage (tables of up to 100k ids) that Lua
+                # would otherwise collect during the next calls, billing them for it
+                await client.eval("collectgarbage('collect')", 0)
         await client.aclose()
     rows = [(ledger.n, r, nv, mem)
             for ledger, r, nv, mem in zip(ledgers, reserves, naives, memory, strict=True)]

@@ -29,7 +29,8 @@ class WindowOut(BaseModel):
     remaining: int
     window_s: int = Field(description="Length of the sliding window in seconds.")
     resets_at: float | None = Field(
-        description="Unix time when everything spent in the window has left it.")
+        description="Unix time when the oldest charge in the window leaves it, giving its "
+                    "tokens back (null when nothing is spent).")
 
 
 class SpendEventOut(BaseModel):

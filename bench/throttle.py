@@ -59,7 +59,8 @@ async def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
     client = aioredis.Redis(port=cfg["port"], socket_timeout=30)
-    await client.ping()
+    # Warm pool: one open connection per task, as in a service that has been running.
+    await asyncio.gather(*(client.ping() for _ in range(cfg["tasks"])))
     kind, rate = cfg["limiter"], cfg["rate"]
     sent: dict[str, int] = {}  # commands this process sent to Redis, by name
     execute = client.execute_command

@@ -22,9 +22,18 @@ MAX_IDEMPOTENCY_KEY = 128
 
 
 def _claims(event: dict[str, Any]) -> dict[str, Any]:
+    """The JWT authorizer's claims: ``authorizer.jwt.claims`` in a payload-v2 event.
+
+    ``authorizer.claims`` is where payload v1 puts them; a v2 event never has it from a JWT
+    authorizer, so in a v2 event it is ignored rather than trusted.
+    """
     authorizer = (event.get("requestContext") or {}).get("authorizer") or {}
+    if not isinstance(authorizer, dict):
+        return {}
     jwt = authorizer.get("jwt") or {}
-    claims = jwt.get("claims") or authorizer.get("claims") or {}  # payload v2, then v1
+    claims = jwt.get("claims") if isinstance(jwt, dict) else None
+    if not claims and event.get("version") != "2.0":
+        claims = authorizer.get("claims")
     return claims if isinstance(claims, dict) else {}
 
 

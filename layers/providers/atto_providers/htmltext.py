@@ -148,7 +148,7 @@ def html_to_text(html: str, *, max_chars: int = DEFAULT_MAX_CHARS) -> HtmlText:
     for raw in parser.json_ld:
         try:
             blocks.append(json.loads(raw))
-        except ValueError:
+        except (ValueError, RecursionError):  # malformed, or nested deeper than json can parse
             continue
     return HtmlText(text=text, title=title[:300] if title else None,
                     canonical_url=parser.canonical, json_ld=tuple(blocks), truncated=truncated)

@@ -13,6 +13,10 @@ from usage_limits.web import METERED_RESPONSES, create_app, require_tokens
 
 app = create_app("Atto Cloud: structured output")
 
+#: Objects and arrays a schema may nest (about 30 levels of properties). Validating a much
+#: deeper schema exhausts Python's recursion limit: a 500 instead of a 422.
+MAX_SCHEMA_DEPTH = 64
+
 
 class StructuredIn(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="forbid")
@@ -27,11 +31,26 @@ class StructuredIn(BaseModel):
     def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
         from jsonschema import SchemaError, validators
 
+        if nesting_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema is nested deeper than {MAX_SCHEMA_DEPTH} levels")
         try:
             validators.validator_for(schema).check_schema(schema)
         except SchemaError as exc:
             raise ValueError(f"not a valid JSON Schema: {exc.message}") from exc
         return schema
+
+
+def nesting_depth(value: Any) -> int:
+    """How many objects and arrays deep ``value`` goes (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in node)
+    return deepest
 
 
 class Usage(BaseModel):

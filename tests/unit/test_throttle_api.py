@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+
 import usage_limits
 from usage_limits.exceptions import CostExceedsLimit, InvalidArgument
 from usage_limits.throttle import (

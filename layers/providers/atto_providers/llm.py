@@ -104,13 +104,25 @@ class LLMClient(ProviderClient):
 
 
 def _check(value: Any, schema: dict[str, Any]) -> None:
-    import jsonschema
+    """Raise ProviderError unless ``value`` is valid for the caller's ``schema``.
 
+    The schema is the caller's: an empty ``referencing.Registry`` keeps every ``$ref`` to a
+    URL unresolved. jsonschema's default registry downloads such references, which would let
+    a request make this function send GET requests anywhere it can reach.
+    """
+    import jsonschema
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
+
+    validator = jsonschema.validators.validator_for(schema)(schema, registry=Registry())
     try:
-        jsonschema.validate(value, schema)
-    except jsonschema.ValidationError as exc:
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    except (Unresolvable, RecursionError) as exc:
+        raise ProviderError("the schema's references cannot be resolved or never end",
+                            provider="llm") from exc
+    if error is not None:
         raise ProviderError("the llm provider's answer does not match the schema",
-                            provider="llm", reason=exc.message[:200]) from exc
+                            provider="llm", reason=error.message[:200]) from error
 
 
 _client: LLMClient | None = None

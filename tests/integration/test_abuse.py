@@ -32,7 +32,7 @@ import atto_providers.salary as salary
 import atto_providers.search as search
 from local.emulator import EmulatorProcess
 from local.lambda_events import Result, http_event, invoke, lambda_loop
-from local.redis_servers import RedisServer
+from local.redis_servers import RedisServer, free_port
 from usage_limits.web import idempotency, runtime, settings
 from usage_limits.web import observability as obs
 
@@ -306,6 +306,29 @@ def test_deeply_nested_schema_is_422_and_free(env: EmulatorProcess) -> None:
         schema = {"type": "object", "properties": {"a": schema}}
     res = call(route, user, body={"prompt": "x", "schema": schema})
     assert_rejected_free(res, 422, "invalid_request", user, env, before)
+
+
+@pytest.mark.parametrize("ref", ["http://127.0.0.1:{port}/latest/meta-data/", "#",
+                                 "#/$defs/nowhere"], ids=["url", "endless", "dangling"])
+def test_schema_refs_are_never_fetched_and_charge_nothing(env: EmulatorProcess, ref: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller's $ref to a URL is never downloaded; unusable refs are a refunded 502, not a 500."""
+    import urllib.request
+
+    fetched: list[Any] = []
+    real_urlopen = urllib.request.urlopen
+
+    def urlopen(*args: Any, **kwargs: Any) -> Any:
+        fetched.append(args)
+        return real_urlopen(*args, **kwargs)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    route, user = ROUTES[0], new_user()
+    schema = {"$ref": ref.format(port=free_port())}
+    res = call(route, user, body={"prompt": "x", "schema": schema})
+    assert res.status == 502 and res.body["error"]["code"] == "provider_error", res.body
+    assert fetched == []
+    assert ledger(user) == (0, [])
 
 
 def test_deeply_nested_json_ld_in_a_page_is_ignored(env: EmulatorProcess) -> None:

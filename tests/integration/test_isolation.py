@@ -5,7 +5,7 @@ every forged identity is 401 and charges no one. A user cannot read, replay, ref
 settle another user's charges through an Idempotency-Key or a shared API Gateway request
 id, and crafted ``sub`` values cannot reach another user's Redis keys or break the hash
 tag that keeps a user's keys in one cluster slot. The harness (routes, environment, ledger
-and emulator helpers) is shared with ``test_abuse.py``.
+and emulator readers) is shared with ``test_abuse.py``.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ async def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         client = Redis(host=host, port=port, socket_timeout=5)
         await client.ping()
     th = ProviderThrottle(client, cfg["provider"], rate=cfg["rate"], burst=cfg["burst"],
+                          jitter_s=cfg.get("jitter_s", 0.0),
                           max_concurrency=cfg.get("max_concurrency"),
                           lease_s=cfg.get("lease_s", 30.0))
     print("READY", flush=True)

@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     # provider throttle
     "ProviderThrottle": "throttle",
     "throttled": "throttle",
+    "UpstreamRateLimited": "throttle",
     # redis connection
     "redis_from_env": "connection",
     # errors
@@ -56,4 +57,4 @@ if TYPE_CHECKING:
         ProviderBusy,
         UsageLimitError,
     )
-    from .throttle import ProviderThrottle, throttled
+    from .throttle import ProviderThrottle, UpstreamRateLimited, throttled

@@ -13,7 +13,7 @@ from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from .exceptions import LimiterUnavailable
 
@@ -47,7 +47,8 @@ class LuaScript:
             if _is_script_bug(exc):
                 raise  # a bug in the script or its arguments, not an outage
             raise LimiterUnavailable(f"redis refused {self.name}: {exc}") from exc
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
+            # RedisClusterException ("no node reachable") is not a RedisError.
             raise LimiterUnavailable(f"redis unavailable running {self.name}: {exc}") from exc
         except OSError as exc:  # socket errors that escaped the client's own wrapping
             raise LimiterUnavailable(f"redis unreachable running {self.name}: {exc}") from exc

@@ -46,6 +46,11 @@ R = TypeVar("R")
 
 #: Suffixes of the environment variables read by ``ProviderThrottle.from_env``.
 ENV_RATE, ENV_BURST, ENV_CONCURRENCY = "_RATE", "_BURST", "_CONCURRENCY"
+ENV_JITTER = "_JITTER_MS"
+#: Default dispatch jitter allowance (see ``ProviderThrottle``'s ``jitter_s``).
+DEFAULT_JITTER_S = 0.015
+#: Re-admissions of a caller that woke too late, before it gives up with ProviderBusy.
+MAX_READMISSIONS = 3
 #: Cooldown used when an upstream 429 carried no Retry-After.
 DEFAULT_PAUSE_S = 1.0
 #: ``asyncio.sleep`` wakes up to ~1 ms late (epoll rounds its timeout up to whole ms); the
@@ -110,6 +115,13 @@ class ProviderThrottle:
             the duration of the call), or None for no cap.
         lease_s: how long a lease lives if its holder dies without releasing it; must
             exceed the longest call.
+        jitter_s: how late a call may reach the provider, after its slot, without breaking
+            the limit there. Slots are spaced ``(per_s + jitter_s) / rate`` apart, so calls
+            that leave up to ``jitter_s`` after their slot still never put more than ``rate``
+            (+ ``burst`` - 1) units into any ``per_s`` window as the provider counts them;
+            a caller that wakes later than that gives its slot up and takes a new one. The
+            cost is ``jitter_s / per_s`` of the rate (1.5% for 15 ms at a per-second rate).
+            0 gives exact GCRA spacing and never re-admits.
 
     Raises:
         InvalidArgument: an argument is out of range.
@@ -117,7 +129,7 @@ class ProviderThrottle:
 
     def __init__(self, redis: AnyRedis, provider: str, *, rate: float, per_s: float = 1.0,
                  burst: float = 1, max_concurrency: int | None = None,
-                 lease_s: float = 30.0) -> None:
+                 lease_s: float = 30.0, jitter_s: float = DEFAULT_JITTER_S) -> None:
         if not isinstance(provider, str) or not provider:
             raise InvalidArgument("provider must be a non-empty string")
         self.provider = provider
@@ -133,10 +145,14 @@ class ProviderThrottle:
                                   f"got {max_concurrency!r}")
         self.max_concurrency = max_concurrency
         self.lease_s = _positive("lease_s", lease_s)
+        if isinstance(jitter_s, bool) or not isinstance(jitter_s, int | float) or not (
+                0 <= jitter_s < self.per_s):
+            raise InvalidArgument(f"jitter_s must be >= 0 and below per_s, got {jitter_s!r}")
+        self.jitter_s = float(jitter_s)
         self._client = redis
         # Cluster safety: every key of the provider shares the tag {p:<provider>}.
         self._keys = provider_keys(provider, "gcra")
-        self._interval_ms = repr(self.per_s * 1000.0 / self.rate)
+        self._interval_ms = repr((self.per_s + self.jitter_s) * 1000.0 / self.rate)
         self._semaphore: LeaseSemaphore | None = None
         if max_concurrency is not None:
             from ._semaphore import LeaseSemaphore
@@ -145,19 +161,21 @@ class ProviderThrottle:
 
     def __repr__(self) -> str:
         return (f"ProviderThrottle({self.provider!r}, rate={self.rate:g}, per_s={self.per_s:g}, "
-                f"burst={self.burst:g}, max_concurrency={self.max_concurrency})")
+                f"burst={self.burst:g}, max_concurrency={self.max_concurrency}, "
+                f"jitter_s={self.jitter_s:g})")
 
     @property
     def interval_s(self) -> float:
-        """Seconds between two unit-cost slots at full load (``per_s / rate``)."""
-        return self.per_s / self.rate
+        """Seconds between two unit-cost slots at full load (``(per_s + jitter_s) / rate``)."""
+        return (self.per_s + self.jitter_s) / self.rate
 
     @classmethod
     def from_env(cls, redis: AnyRedis, provider: str, *, default_rate: str = "20/s",
                  default_burst: float = 1, default_concurrency: int | None = None,
                  lease_s: float = 30.0,
                  env: Mapping[str, str] | None = None) -> ProviderThrottle:
-        """A throttle configured by ``<PROVIDER>_RATE``, ``_BURST`` and ``_CONCURRENCY``.
+        """A throttle configured by ``<PROVIDER>_RATE``, ``_BURST``, ``_CONCURRENCY`` and
+        ``_JITTER_MS`` (the dispatch jitter allowance, default 15 ms).
 
         ``<PROVIDER>`` is the provider's name upper-cased, other characters than letters and
         digits replaced by ``_`` (``"salary-api"`` reads ``SALARY_API_RATE``). An unset or
@@ -203,9 +221,18 @@ class ProviderThrottle:
                                       f"or 'none'")
             concurrency = int(conc_text)
 
+        jitter_name = prefix + ENV_JITTER
+        jitter_text = env.get(jitter_name, "").strip()
+        jitter_s = DEFAULT_JITTER_S
+        if jitter_text:
+            try:
+                jitter_s = float(jitter_text) / 1000
+            except ValueError:
+                raise InvalidArgument(f"{jitter_name}={jitter_text!r} is not a number") from None
+
         try:
             return cls(redis, provider, rate=rate, per_s=per_s, burst=burst,
-                       max_concurrency=concurrency, lease_s=lease_s)
+                       max_concurrency=concurrency, lease_s=lease_s, jitter_s=jitter_s)
         except InvalidArgument as exc:
             raise InvalidArgument(f"{prefix}_*: {exc}") from None
 
@@ -320,16 +347,30 @@ class ProviderThrottle:
         loop = asyncio.get_running_loop()
         requested = time.time()
         start = loop.time()
-        reply = await script("throttle_acquire")(self._client, self._keys, [
-            f"{requested * 1000:.3f}", self._interval_ms, repr(self.burst), repr(cost),
-            f"{limit_s * 1000:.3f}"])
-        wait_s = float(reply[1]) / 1000
-        if not int(reply[0]):
-            raise ProviderBusy(self.provider, wait_s)
-        await _sleep_until(loop, start + wait_s)
-        return Admission(waited_s=loop.time() - start, requested_at=requested,
-                         slot_at=float(reply[2]) / 1000, granted_at=time.time(),
-                         seq=int(reply[3]))
+        now = requested
+        for _ in range(MAX_READMISSIONS + 1):
+            # Wall clock first, loop clock second: a pause between the two readings can
+            # only make this caller wake late, never before its slot.
+            asked = loop.time()
+            reply = await script("throttle_acquire")(self._client, self._keys, [
+                f"{now * 1000:.3f}", self._interval_ms, repr(self.burst), repr(cost),
+                f"{max(0.0, limit_s - (asked - start)) * 1000:.3f}"])
+            wait_s = float(reply[1]) / 1000
+            if not int(reply[0]):
+                raise ProviderBusy(self.provider, wait_s)
+            due = asked + wait_s
+            await _sleep_until(loop, due)
+            # Woken later than the provider's counting can absorb (a busy loop or host):
+            # going now could put one call too many into a window. Take a new slot instead;
+            # the old one stays unused.
+            if self.jitter_s == 0 or loop.time() - due <= self.jitter_s:
+                return Admission(waited_s=loop.time() - start, requested_at=requested,
+                                 slot_at=float(reply[2]) / 1000, granted_at=time.time(),
+                                 seq=int(reply[3]))
+            now = time.time()
+        raise ProviderBusy(self.provider, self.interval_s,
+                           f"provider {self.provider!r}: this instance keeps waking too late "
+                           f"for its slots")
 
     def _check_cost(self, cost: float) -> float:
         cost = _positive("cost", cost)

@@ -2,15 +2,20 @@
 
 Like ``sam local start-api`` but without containers: one uvicorn server dispatches each
 request to the FastAPI app of the function whose route matches, in local mode
-(``ATTO_ENV=local``, so ``X-Atto-User`` names the user). ``WORKERS`` > 1 runs that many
+(``ATTO_ENV=local``, so ``X-Atto-User`` names the user), with a Lambda context whose time
+runs from the request's arrival for the function's ``Timeout`` in template.yaml (or
+``ATTO_REQUEST_TIMEOUT_S``). ``WORKERS`` > 1 runs that many
 processes, each like one Lambda execution environment with its own Redis client.
 
-Environment: ``PORT`` (8000), ``HOST`` (127.0.0.1), ``WORKERS`` (1); ``REDIS_URL`` and
-``LLM_BASE_URL`` unset start a private redis-server and the offline provider emulator.
+Environment: ``PORT`` (8000), ``HOST`` (127.0.0.1), ``WORKERS`` (1), ``WORKER_CONCURRENCY``
+(1: like a Lambda execution environment, a worker runs one request at a time and queues the
+rest; 0 for no limit); ``REDIS_URL`` and ``LLM_BASE_URL`` unset start a private
+redis-server and the offline provider emulator.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import sys
@@ -22,9 +27,13 @@ from starlette.types import Receive, Scope, Send
 class Dispatcher:
     """An ASGI app that routes by path (and method) to each function's own app."""
 
-    def __init__(self, routes: dict[tuple[str, str], Any]) -> None:
+    def __init__(self, routes: dict[tuple[str, str], Any], concurrency: int = 1,
+                 timeouts: dict[tuple[str, str], float] | None = None) -> None:
         self.routes = routes
+        self.timeouts = timeouts or {}
         self.paths = {path for _, path in routes}
+        self.concurrency = concurrency
+        self._gate: asyncio.Semaphore | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -35,7 +44,8 @@ class Dispatcher:
             await send({"type": "lifespan.shutdown.complete"})
             return
         path = scope.get("path", "")
-        app = self.routes.get((scope.get("method", ""), path))
+        route = (scope.get("method", ""), path)
+        app = self.routes.get(route)
         if app is None:
             from usage_limits.web.errors import error_response
 
@@ -43,7 +53,18 @@ class Dispatcher:
             await error_response(status, code, f"no route for {scope.get('method')} {path}")(
                 scope, receive, send)
             return
-        await app(scope, receive, send)
+        # As API Gateway does, the request's time runs from its arrival, queueing included.
+        from .lambda_events import FakeContext
+
+        scope = {**scope, "aws.context": FakeContext(timeout_s=self.timeouts.get(route, 29.0),
+                                                     function_name=path)}
+        if self.concurrency <= 0:
+            await app(scope, receive, send)
+            return
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.concurrency)
+        async with self._gate:  # one request at a time, as in one Lambda environment
+            await app(scope, receive, send)
 
 
 def load_function_app(code_dir: str) -> Any:
@@ -56,10 +77,13 @@ def create_dispatcher() -> Dispatcher:
     """The dispatcher for every function in template.yaml (uvicorn factory)."""
     from .template import functions
 
-    routes = {}
+    routes, timeouts = {}, {}
+    override = os.environ.get("ATTO_REQUEST_TIMEOUT_S")
     for fn in functions():
         routes[(fn.method, fn.path)] = load_function_app(fn.code_dir)
-    return Dispatcher(routes)
+        timeouts[(fn.method, fn.path)] = float(override) if override else float(fn.timeout)
+    return Dispatcher(routes, concurrency=int(os.environ.get("WORKER_CONCURRENCY", "1")),
+                      timeouts=timeouts)
 
 
 def main() -> int:

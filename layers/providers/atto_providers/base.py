@@ -123,22 +123,27 @@ class ProviderClient:
 
     async def _request(self, method: str, url: str, *, cost: float, json: Any,
                        params: Mapping[str, Any] | None, headers: Mapping[str, str] | None) -> Any:
+        # Everything that can be done before the slot is done before it (client, TLS
+        # context, body encoding): a call should leave as soon as its slot comes, or the
+        # provider sees calls bunched together.
+        client = http_client()
+        request = client.build_request(method, url, json=json, params=params, headers=headers)
         for _ in range(MAX_RATE_LIMITED_RETRIES + 1):
             async with self.throttle.slot(cost=cost) as waited_s:
-                obs.count(obs.PROVIDER_WAIT_MS, round(waited_s * 1000, 3), unit="Milliseconds")
                 left = remaining_s()
                 if left < MIN_CALL_S:
                     raise ProviderBusy(self.name, 1.0, f"no time left to call {self.name}")
+                request.extensions["timeout"] = httpx.Timeout(
+                    min(DEFAULT_TIMEOUT_S, left)).as_dict()
                 try:
-                    response = await http_client().request(
-                        method, url, json=json, params=params, headers=headers,
-                        timeout=min(DEFAULT_TIMEOUT_S, left))
+                    response = await client.send(request)
                 except httpx.TimeoutException as exc:
                     raise ProviderError(f"the {self.name} provider timed out",
                                         provider=self.name) from exc
                 except httpx.HTTPError as exc:
                     raise ProviderError(f"the {self.name} provider could not be reached",
                                         provider=self.name) from exc
+            obs.count(obs.PROVIDER_WAIT_MS, round(waited_s * 1000, 3), unit="Milliseconds")
             if response.status_code == 429:
                 obs.count(obs.UPSTREAM_429)
                 wait = retry_after_s(response)

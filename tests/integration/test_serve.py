@@ -1,0 +1,161 @@
+"""``make serve`` as a user runs it: real worker processes, real Redis, the emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from local.emulator import EmulatorProcess
+from local.redis_servers import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
+pytestmark = pytest.mark.slow
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[str], url: str, log: Path) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+
+def start_serve(env: dict[str, str], timeout_s: float = 60.0) -> Served:
+    """Start ``python -m local.serve`` and wait until every worker answers."""
+    port = free_port()
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-{port}.log"
+    full_env = {**os.environ, "PORT": str(port), **env}
+    full_env.pop("ATTO_ENV", None)  # the server must switch local mode on by itself
+    proc = subprocess.Popen([sys.executable, "-m", "local.serve"], cwd=ROOT, env=full_env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited: {log.read_text()}")
+        try:
+            if httpx.get(url + "/v1/usage", headers={"X-Atto-User": "probe"},
+                         timeout=1).status_code == 200:
+                return Served(proc, url, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"serve did not start: {log.read_text()}")
+
+
+def stop_serve(served: Served) -> None:
+    os.killpg(served.proc.pid, signal.SIGINT)
+    try:
+        served.proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(served.proc.pid, signal.SIGKILL)
+        served.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[EmulatorProcess]:
+    """One emulator for this module, reset per test."""
+    with EmulatorProcess() as emu:
+        yield emu
+
+
+async def fire(url: str, requests: list[tuple[str, dict[str, Any]]]) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        return await asyncio.gather(*[
+            client.post("/v1/structured", headers={"X-Atto-User": user}, json=body)
+            for user, body in requests])
+
+
+def usage(url: str, user: str) -> dict[str, Any]:
+    return httpx.get(url + "/v1/usage", headers={"X-Atto-User": user}, timeout=10).json()
+
+
+def test_four_workers_admit_exactly_the_budget(redis_server: RedisServer,
+                                                emulator: EmulatorProcess) -> None:
+    """200 concurrent requests from one user whose budget fits 50: exactly 50 succeed."""
+    emulator.reset()
+    served = start_serve({"WORKERS": "4", "REDIS_URL": redis_server.url,
+                          "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "k",
+                          "LLM_RATE": "1000/s", "LLM_BURST": "50", "ATTO_BUDGET": "400/1h"})
+    try:
+        user = "alice-" + uuid.uuid4().hex[:8]
+        body = {"prompt": "Summarise a job", "schema": SCHEMA}
+        responses = asyncio.run(fire(served.url, [(user, body)] * 200))
+        statuses = Counter(r.status_code for r in responses)
+        assert statuses == {200: 50, 429: 150}
+        for r in responses:
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "budget_exceeded"
+                assert int(r.headers["retry-after"]) >= 1
+        report = usage(served.url, user)
+        assert report["windows"][0]["used"] == 400 and report["windows"][0]["remaining"] == 0
+        assert len(report["events"]) == 50
+        assert emulator.family_stats("llm")["arrivals"] == 50
+    finally:
+        stop_serve(served)
+
+
+def test_provider_rate_holds_across_workers_and_late_requests_keep_their_budget(
+        redis_server: RedisServer, emulator: EmulatorProcess) -> None:
+    """At LLM_RATE=5/s the emulator never sees more than 5 calls in any second; late requests get 503 provider_busy and are refunded."""
+    emulator.reset()
+    served = start_serve({"WORKERS": "4", "REDIS_URL": redis_server.url,
+                          "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "k",
+                          "LLM_RATE": "5/s", "LLM_BURST": "1", "ATTO_BUDGET": "1000/1h",
+                          "ATTO_REQUEST_TIMEOUT_S": "4"})
+    try:
+        users = [f"u{i}-{uuid.uuid4().hex[:6]}" for i in range(60)]
+        body = {"prompt": "Summarise a job", "schema": SCHEMA}
+        responses = asyncio.run(fire(served.url, [(u, body) for u in users]))
+        by_user = dict(zip(users, responses, strict=True))
+        statuses = Counter(r.status_code for r in responses)
+        assert set(statuses) <= {200, 503}
+        assert statuses[503] > 0 and statuses[200] > 0
+        stats = emulator.family_stats("llm")
+        assert stats["arrivals"] == statuses[200]
+        assert stats["max_arrivals_window"] <= 5
+        assert stats["rate_limited"] == 0 if "rate_limited" in stats else True
+        for user, r in by_user.items():
+            spent = usage(served.url, user)["windows"][0]["used"]
+            if r.status_code == 503:
+                err = r.json()["error"]
+                assert err["code"] == "provider_busy" and int(r.headers["retry-after"]) >= 1
+                assert spent == 0
+            else:
+                assert spent == 8
+    finally:
+        stop_serve(served)
+
+
+def test_serve_starts_its_own_redis_and_emulator_and_stops_them() -> None:
+    """With nothing configured, serve starts a private redis-server and the emulator, and stops both on Ctrl-C."""
+    env = {name: "" for name in ("REDIS_URL", "LLM_BASE_URL")}
+    served = start_serve({"WORKERS": "1", **env})
+    try:
+        r = httpx.post(served.url + "/v1/structured", headers={"X-Atto-User": "bob"},
+                       json={"prompt": "hello", "schema": SCHEMA}, timeout=30)
+        assert r.status_code == 200 and isinstance(r.json()["data"]["title"], str)
+        assert "ratelimit" in r.headers
+        text = served.log.read_text()
+        assert "curl" in text
+        redis_port = int(re.search(r"REDIS_URL=redis://127\.0\.0\.1:(\d+)", text)[1])
+        emulator_url = re.search(r"EMULATOR_URL=(\S+)", text)[1]
+    finally:
+        stop_serve(served)
+    assert not RedisServer(redis_port).ping()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(emulator_url + "/_emulator/health", timeout=1)

@@ -4,7 +4,8 @@ Each function of template.yaml is loaded from its own ``app.py``; its schema
 (``app.openapi()``, what ``/openapi.json`` serves) drives Schemathesis, whose requests go
 to the same app in process. The app runs in local mode (``ATTO_ENV=local``) with a fresh
 ``X-Atto-User`` per case, so no budget runs out, against the session's real redis-server
-and a healthy emulator for every provider. Nothing fails on purpose here, so any 5xx is a
+and a healthy emulator for every provider, with the function's own web settings from
+template.yaml (e.g. the embeddings body cap). Nothing fails on purpose here, so any 5xx is a
 bug; every response must also have a documented status, content type and body.
 
 Phases: examples, coverage and fuzzing, positive and negative data; ``MAX_EXAMPLES``
@@ -63,6 +64,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 #: The emulator's page fetched instead of URLs that would leave the machine.
 JOB_PAGE = "senior-python-developer-leeds"
 LOCAL_USER_HEADER = "X-Atto-User"
+#: Web-layer settings a function may set in template.yaml (embeddings raises the body cap).
+FUNCTION_SETTINGS = ("ATTO_MAX_BODY_BYTES", "ATTO_DEADLINE_MARGIN_S", "ATTO_REQUEST_TIMEOUT_S")
 
 SPECS = functions()
 
@@ -136,11 +139,18 @@ def _operation_test(spec: FunctionSpec) -> Callable[..., None]:
                                             config=SchemathesisConfig.from_dict(CONFIG))
     schema.app = _app(spec)  # requests go to the app in process (ASGI)
 
+    own = {name: spec.env[name] for name in FUNCTION_SETTINGS if name in spec.env}
+
     @schema.parametrize()
     def test(case: Any, local_env: EmulatorProcess) -> None:
         _hermetic(case, local_env)
-        case.call_and_validate(headers={LOCAL_USER_HEADER: f"fuzz-{uuid.uuid4().hex}"},
-                               checks=CHECKS)
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in own.items():
+                env.setenv(name, value)
+            settings.cache_clear()
+            case.call_and_validate(headers={LOCAL_USER_HEADER: f"fuzz-{uuid.uuid4().hex}"},
+                                   checks=CHECKS)
+        settings.cache_clear()
 
     test.__doc__ = (f"Every generated request to {spec.route_key} gets a documented, non-5xx "
                     "answer whose body fits the schema.")

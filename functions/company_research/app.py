@@ -14,12 +14,11 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from fastapi import Depends
-from mangum import Mangum
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from atto_providers.llm import llm_client
 from atto_providers.search import search_client
-from usage_limits.web import METERED_RESPONSES, Charge, create_app, require_tokens
+from usage_limits.web import METERED_RESPONSES, Charge, create_app, lambda_handler, require_tokens
 
 app = create_app("Atto Cloud: company research")
 
@@ -165,4 +164,4 @@ async def company_research(
     )
 
 
-handler = Mangum(app, lifespan="off")
+handler = lambda_handler(app)

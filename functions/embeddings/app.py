@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends
-from mangum import Mangum
 from pydantic import BaseModel, ConfigDict, Field
 
 from atto_providers.llm import llm_client
-from usage_limits.web import METERED_RESPONSES, create_app, require_tokens
+from usage_limits.web import METERED_RESPONSES, create_app, lambda_handler, require_tokens
 
 app = create_app("Atto Cloud: embeddings")
 
@@ -60,4 +59,4 @@ async def embeddings(body: EmbeddingsIn) -> EmbeddingsOut:
                          model=model, usage=EmbeddingsUsage(prompt_tokens=max(0, tokens)))
 
 
-handler = Mangum(app, lifespan="off")
+handler = lambda_handler(app)

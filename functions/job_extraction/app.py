@@ -15,12 +15,11 @@ import math
 from typing import Any, Literal
 
 from fastapi import Depends
-from mangum import Mangum
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from atto_providers.htmltext import html_to_text, job_postings, normalise_text, posting_fields
 from atto_providers.llm import llm_client
-from usage_limits.web import METERED_RESPONSES, create_app, require_tokens
+from usage_limits.web import METERED_RESPONSES, create_app, lambda_handler, require_tokens
 from usage_limits.web.app import ErrorBody
 
 app = create_app("Atto Cloud: job extraction")
@@ -251,4 +250,4 @@ def _listing(data: dict[str, Any], facts: dict[str, Any], source_url: str | None
     )
 
 
-handler = Mangum(app, lifespan="off")
+handler = lambda_handler(app)

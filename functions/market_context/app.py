@@ -11,7 +11,6 @@ import json
 from typing import Annotated
 
 from fastapi import Depends
-from mangum import Mangum
 from pydantic import BaseModel, ConfigDict, Field
 
 from atto_providers.llm import llm_client
@@ -30,6 +29,7 @@ from usage_limits.web import (
     Charge,
     ProviderError,
     create_app,
+    lambda_handler,
     require_tokens,
 )
 
@@ -172,4 +172,4 @@ def no_data_narrative(role: str, location: str | None, country: str) -> str:
             "there is no salary trend to report; a broader title or place may find some.")
 
 
-handler = Mangum(app, lifespan="off")
+handler = lambda_handler(app)

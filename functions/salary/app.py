@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Query
-from mangum import Mangum
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.json_schema import SkipJsonSchema
 
@@ -17,7 +16,7 @@ from atto_providers.salary import (
     Country,
     salary_client,
 )
-from usage_limits.web import METERED_RESPONSES, create_app, require_tokens
+from usage_limits.web import METERED_RESPONSES, create_app, lambda_handler, require_tokens
 
 app = create_app("Atto Cloud: salary")
 
@@ -89,4 +88,4 @@ async def salary(query: Annotated[SalaryQuery, Query()]) -> SalaryOut:
     )
 
 
-handler = Mangum(app, lifespan="off")
+handler = lambda_handler(app)

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Depends
-from mangum import Mangum
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from atto_providers.llm import llm_client
-from usage_limits.web import METERED_RESPONSES, create_app, require_tokens
+from usage_limits.web import METERED_RESPONSES, create_app, lambda_handler, require_tokens
 
 app = create_app("Atto Cloud: structured output")
 
@@ -37,7 +36,53 @@ class StructuredIn(BaseModel):
             validators.validator_for(schema).check_schema(schema)
         except SchemaError as exc:
             raise ValueError(f"not a valid JSON Schema: {exc.message}") from exc
+        check_references(schema)
         return schema
+
+
+def check_references(schema: dict[str, Any]) -> None:
+    """Refuse, before any charge, a schema whose ``$ref``s could never be checked.
+
+    Only references inside the schema itself (``#...``) that resolve are allowed, and the
+    schema must not loop without end: otherwise the provider would be called and its
+    answer could not be validated (a 502, refunded, so repeatable for free).
+
+    Raises:
+        ValueError: a remote, dangling or endless reference.
+    """
+    from jsonschema import validators
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
+
+    refs = [node["$ref"] for node in _nodes(schema)
+            if isinstance(node, dict) and isinstance(node.get("$ref"), str)]
+    if not refs:
+        return
+    validator = validators.validator_for(schema)(schema, registry=Registry())
+    for ref in refs:
+        if not ref.startswith("#"):
+            raise ValueError(f"$ref {ref[:100]!r} points outside the schema; only local "
+                             "references (#/...) are allowed")
+        try:
+            validator._resolver.lookup(ref)  # no public lookup on the validator
+        except Unresolvable as exc:
+            raise ValueError(f"$ref {ref[:100]!r} does not resolve within the schema") from exc
+    try:
+        validator.is_valid(None)  # a probe: a reference loop with no end recurses forever
+    except (RecursionError, Unresolvable) as exc:
+        raise ValueError("the schema's references loop without end") from exc
+
+
+def _nodes(value: Any) -> list[Any]:
+    out, stack = [], [value]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
 
 
 def nesting_depth(value: Any) -> int:
@@ -74,4 +119,4 @@ async def structured(body: StructuredIn) -> StructuredOut:
                                      completion_tokens=result.completion_tokens))
 
 
-handler = Mangum(app, lifespan="off")
+handler = lambda_handler(app)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from fastapi import Depends
-from mangum import Mangum
 from pydantic import BaseModel, Field
 
-from usage_limits.web import create_app, current_user, settings
+from usage_limits.web import create_app, current_user, lambda_handler, settings
 from usage_limits.web.runtime import get_budget
 
 app = create_app("Atto Cloud: usage")
@@ -63,4 +62,4 @@ async def usage(user: str = Depends(current_user)) -> UsageOut:
     )
 
 
-handler = Mangum(app, lifespan="off")
+handler = lambda_handler(app)

@@ -312,7 +312,7 @@ def test_deeply_nested_schema_is_422_and_free(env: EmulatorProcess) -> None:
                                  "#/$defs/nowhere"], ids=["url", "endless", "dangling"])
 def test_schema_refs_are_never_fetched_and_charge_nothing(env: EmulatorProcess, ref: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A caller's $ref to a URL is never downloaded; unusable refs are a refunded 502, not a 500."""
+    """A caller's $ref to a URL is never downloaded; unusable refs are a free 422 before any provider call."""
     import urllib.request
 
     fetched: list[Any] = []
@@ -323,12 +323,11 @@ def test_schema_refs_are_never_fetched_and_charge_nothing(env: EmulatorProcess, 
         return real_urlopen(*args, **kwargs)
 
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
-    route, user = ROUTES[0], new_user()
+    route, user, before = ROUTES[0], new_user(), upstream(env)
     schema = {"$ref": ref.format(port=free_port())}
     res = call(route, user, body={"prompt": "x", "schema": schema})
-    assert res.status == 502 and res.body["error"]["code"] == "provider_error", res.body
+    assert_rejected_free(res, 422, "invalid_request", user, env, before)
     assert fetched == []
-    assert ledger(user) == (0, [])
 
 
 def test_deeply_nested_json_ld_in_a_page_is_ignored(env: EmulatorProcess) -> None:

@@ -92,10 +92,21 @@ def test_vectors_come_back_in_order_and_cost_1(env: EmulatorProcess) -> None:
     assert arrivals(env) == 1
 
 
-def test_model_is_passed_through(env: EmulatorProcess) -> None:
-    """An explicit model is sent upstream and reported back."""
+def test_model_is_passed_through(env: EmulatorProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit model that the deployment offers is sent upstream and reported back."""
+    monkeypatch.setenv("LLM_EMBEDDING_MODELS", "text-embedding-3-large")
+    llm._client = None
     res = embed(uuid.uuid4().hex, {"input": ["x"], "model": "text-embedding-3-large"})
     assert res.status == 200 and res.body["model"] == "text-embedding-3-large"
+
+
+def test_model_not_offered_is_400_and_free(env: EmulatorProcess) -> None:
+    """A model the deployment does not offer is refused before any upstream call, refunded."""
+    user = uuid.uuid4().hex
+    res = embed(user, {"input": ["x"], "model": "text-embedding-3-large"})
+    assert res.status == 400 and res.body["error"]["code"] == "invalid_request"
+    assert res.body["error"]["models"] == ["text-embedding-3-small"]
+    assert used(user) == 0 and arrivals(env) == 0
 
 
 @pytest.mark.parametrize("body", [

@@ -154,3 +154,43 @@ def test_every_event_file_invokes_its_function(env: EmulatorProcess,
         event = json.loads((ROOT / "events" / f"{name}.json").read_text())
         module = usage_fn if name == "usage" else structured
         assert invoke(module.handler, event).status == expected, name
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},                                    # a loop with no end
+    {"anyOf": [{"$ref": "#"}]},
+    {"$ref": "http://169.254.169.254/latest/meta-data"},  # remote
+    {"$ref": "#/$defs/missing"},                      # dangling
+])
+def test_unusable_references_are_refused_before_any_charge(env: EmulatorProcess, schema: Any) -> None:
+    """A schema whose $refs are remote, dangling or endless is a free 422, not a provider call."""
+    user = uuid.uuid4().hex
+    res = ask(user, {"prompt": "x", "schema": schema})
+    assert res.status == 422 and res.body["error"]["code"] == "invalid_request"
+    assert used(user) == 0 and env.family_stats("llm")["arrivals"] == 0
+
+
+def test_recursive_schemas_with_local_references_work(env: EmulatorProcess) -> None:
+    """Legitimate local references (definitions, recursion through properties) are served."""
+    schema = {"$defs": {"skill": {"type": "string", "minLength": 1}},
+              "type": "object", "properties": {"skills": {"type": "array",
+                                                          "items": {"$ref": "#/$defs/skill"}}},
+              "required": ["skills"]}
+    res = ask(uuid.uuid4().hex, {"prompt": "x", "schema": schema})
+    assert res.status == 200 and isinstance(res.body["data"]["skills"], list)
+
+
+def test_model_not_offered_is_refused_and_free(env: EmulatorProcess) -> None:
+    """A model the deployment does not offer gets 400 and costs nothing: prices do not depend on the model."""
+    user = uuid.uuid4().hex
+    res = ask(user, {"prompt": "x", "schema": SCHEMA, "model": "gpt-4.1"})
+    assert res.status == 400 and res.body["error"]["code"] == "invalid_request"
+    assert used(user) == 0 and env.family_stats("llm")["arrivals"] == 0
+
+
+def test_undecodable_body_is_400(env: EmulatorProcess) -> None:
+    """A body marked base64 that is not base64 gets the public 400, not a failed invocation."""
+    event = http_event("POST", "/v1/structured", raw_body="notbase64", user=uuid.uuid4().hex)
+    event["isBase64Encoded"] = True
+    res = invoke(structured.handler, event)
+    assert res.status == 400 and res.body["error"]["code"] == "invalid_request"

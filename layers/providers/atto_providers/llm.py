@@ -3,6 +3,10 @@
 Any server that speaks the OpenAI API works: OpenAI, Ollama, vLLM, or the offline
 emulator. ``LLM_BASE_URL`` (default ``https://api.openai.com/v1``), ``LLM_MODEL``,
 ``LLM_EMBEDDING_MODEL``, and the key from ``LLM_SECRET_ARN`` or ``LLM_API_KEY``.
+
+A caller may name another model only if the deployment offers it: ``LLM_MODELS`` and
+``LLM_EMBEDDING_MODELS`` (comma-separated; by default only the default model), since a
+route's price in tokens does not depend on the model.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from usage_limits.web.errors import ProviderError
+from usage_limits.web.errors import InvalidRequest, ProviderError
 
 from .base import ProviderClient
 from .secrets import provider_secret
@@ -47,6 +51,9 @@ class LLMClient(ProviderClient):
         super().__init__(env.get("LLM_BASE_URL", DEFAULT_BASE_URL), env=env, redis=redis)
         self.model = env.get("LLM_MODEL", DEFAULT_MODEL)
         self.embedding_model = env.get("LLM_EMBEDDING_MODEL", DEFAULT_EMBEDDING_MODEL)
+        self.models = _offered(env.get("LLM_MODELS", ""), self.model)
+        self.embedding_models = _offered(env.get("LLM_EMBEDDING_MODELS", ""),
+                                         self.embedding_model)
 
     def _headers(self) -> dict[str, str]:
         key = provider_secret(self.name, self.env).get("api_key", "")
@@ -61,7 +68,7 @@ class LLMClient(ProviderClient):
             ProviderBusy: no provider slot within the deadline.
         """
         body = {
-            "model": model or self.model,
+            "model": _choose(model, self.model, self.models),
             "messages": [{"role": "system", "content": SYSTEM_PROMPT},
                          {"role": "user", "content": prompt}],
             "response_format": {"type": "json_schema",
@@ -86,7 +93,8 @@ class LLMClient(ProviderClient):
             ProviderError: the provider failed or answered with the wrong number of vectors.
             ProviderBusy: no provider slot within the deadline.
         """
-        body: dict[str, Any] = {"model": model or self.embedding_model, "input": texts}
+        body: dict[str, Any] = {"model": _choose(model, self.embedding_model,
+                                                 self.embedding_models), "input": texts}
         if dimensions:
             body["dimensions"] = dimensions
         data = await self.request("POST", "/embeddings", json=body, headers=self._headers())
@@ -101,6 +109,24 @@ class LLMClient(ProviderClient):
                                 provider=self.name)
         tokens = int((data.get("usage") or {}).get("prompt_tokens", 0))
         return vectors, str(data.get("model") or body["model"]), tokens
+
+
+def _offered(listed: str, default: str) -> frozenset[str]:
+    return frozenset({default, *(m.strip() for m in listed.split(",") if m.strip())})
+
+
+def _choose(model: str | None, default: str, offered: frozenset[str]) -> str:
+    """The model to call: the default, or an offered one the caller named.
+
+    Raises:
+        InvalidRequest: the caller named a model this deployment does not offer.
+    """
+    if model is None:
+        return default
+    if model not in offered:
+        raise InvalidRequest(f"model {model[:100]!r} is not offered here; choose one of "
+                             f"{sorted(offered)}", models=sorted(offered))
+    return model
 
 
 def _check(value: Any, schema: dict[str, Any]) -> None:

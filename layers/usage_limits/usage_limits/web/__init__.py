@@ -15,11 +15,12 @@ from .errors import (
     Unauthorized,
 )
 from .guard import Charge, current_user, require_tokens
+from .lambda_handler import lambda_handler
 from .settings import WebSettings, parse_plan, settings
 
 __all__ = [
     "COMMON_RESPONSES", "METERED_RESPONSES", "ApiError", "ErrorBody", "BudgetExceeded", "Charge",
     "IdempotencyConflict", "InvalidRequest", "LimiterUnavailableError", "PayloadTooLarge",
     "ProviderBusyError", "ProviderError", "Unauthorized", "WebSettings", "create_app",
-    "current_user", "parse_plan", "require_tokens", "settings",
+    "current_user", "lambda_handler", "parse_plan", "require_tokens", "settings",
 ]

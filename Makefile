@@ -48,8 +48,11 @@ invoke: $(STAMP) redis-server ## Invoke a function handler with an event: make i
 	$(PY) -m local.invoke $(FN) $(EVENT)
 
 .PHONY: bench
-bench: $(STAMP) redis-server ## Run the benchmarks and print their tables.
-	$(PY) bench/budget.py
+bench: $(STAMP) redis-server ## Run the benchmarks and print their tables (QUICK=1 for a short run).
+	$(PY) bench/budget.py $(if $(QUICK),--quick)
+	$(PY) bench/throttle.py $(if $(QUICK),--quick)
+	$(PY) bench/request_overhead.py $(if $(QUICK),--quick)
+	$(PY) bench/cold_start.py $(if $(QUICK),--quick)
 
 .PHONY: lint
 lint: $(STAMP) ## ruff and mypy.
@@ -57,3 +60,4 @@ lint: $(STAMP) ## ruff and mypy.
 	$(VENV)/bin/mypy
 
 include mk/sam.mk
+-include mk/fleet.mk

@@ -25,6 +25,23 @@ EMULATOR_KEYS = {"LLM_API_KEY": "local-key", "SALARY_APP_ID": "local-id",
                  "PAGES_ALLOW_PRIVATE_HOSTS": "127.0.0.1"}
 
 
+#: The emulator's port when it is free (events/env.json and the README use it).
+EMULATOR_PORT = 8100
+
+
+def _emulator_port(env: dict[str, str]) -> int:
+    """``EMULATOR_PORT`` (default 8100) when free, else any free port (0)."""
+    import socket
+
+    port = int(env.get("EMULATOR_PORT") or EMULATOR_PORT)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return 0
+    return port
+
+
 @contextlib.contextmanager
 def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
     """Start what is missing, export its settings into ``os.environ``, yield what was set."""
@@ -41,7 +58,7 @@ def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
         if not env.get("LLM_BASE_URL"):
             from .emulator import EmulatorProcess
 
-            emulator = stack.enter_context(EmulatorProcess())
+            emulator = stack.enter_context(EmulatorProcess(port=_emulator_port(env)))
             for name, suffix in EMULATOR_ROUTES.items():
                 started.setdefault(name, env.get(name) or emulator.url + suffix)
             for name, value in EMULATOR_KEYS.items():

@@ -1,0 +1,205 @@
+"""The fleet's invariants, checked from Redis, the emulator's own counters and the records.
+
+1. overspend: for every user and every window (W s, L tokens) of the plan, the charges in
+   the ledger (``ul:{u:<user>}:log`` scores, costs from ``:ev``) never sum to more than L
+   within any half-open interval (t - W, t]. It suffices to test t = each charge's time.
+   The ledger's running totals (``:meta`` t:W) must also equal the log's events after the
+   window's cursor (lo:W): a double-counted retry would show there.
+2. ledger == work: the ledger holds exactly the request ids that got a 2xx answer that was
+   not a replay, each at its settled cost (company_research 5 without sources,
+   market_context 2 without data, else the route's price). Nothing else: no charge for a
+   4xx/5xx, none for a replay. A request id answered 2xx twice without a replay would be a
+   double charge. Requests of a process killed mid-flight (no answer recorded) may keep
+   their charge: a dead Lambda runs no refund (DESIGN: anything left expires on its own).
+3. provider limit: the emulator's arrival times per family: at most ``rate`` arrivals in
+   any half-open window of ``per_s`` seconds; also the emulator's own 429s not injected.
+4. deadline: every answered invocation took at most its Lambda timeout.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from usage_limits.keys import user_keys
+
+
+def load_records(lines: Iterable[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(answered invocations, invocations started but never answered)."""
+    import json
+
+    starts: dict[tuple[str, str, float], dict[str, Any]] = {}
+    ends: list[dict[str, Any]] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        ident = (rec["w"], rec["rid"], rec["t0"])
+        if rec["kind"] == "start":
+            starts[ident] = rec
+        else:
+            starts.pop(ident, None)
+            ends.append(rec)
+    return ends, list(starts.values())
+
+
+def read_ledger(client: Any, users: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Per user: ``events`` {rid: (ms, cost)} and ``meta`` {field: int}."""
+    out = {}
+    for user in users:
+        log_key, ev_key, meta_key = user_keys(user, "log", "ev", "meta")
+        scores = client.zrange(log_key, 0, -1, withscores=True)
+        ev = client.hgetall(ev_key)
+        meta = {k.decode(): int(float(v)) for k, v in client.hgetall(meta_key).items()}
+        events = {}
+        for member, score in scores:
+            rec = ev.get(member)
+            cost = int(rec.split(b" ", 1)[0]) if rec else 0
+            events[member.decode()] = (int(score), cost)
+        out[user] = {"events": events, "meta": meta}
+    return out
+
+
+def max_window_sum(points: list[tuple[int, int]], window_ms: int) -> int:
+    """Largest sum of costs within any (t - W, t] over (ms, cost) points."""
+    points = sorted(points)
+    best = total = lo = 0
+    for hi, (t, cost) in enumerate(points):
+        total += cost
+        while points[lo][0] <= t - window_ms:
+            total -= points[lo][1]
+            lo += 1
+        best = max(best, total)
+        del hi
+    return best
+
+
+def check_overspend(ledger: dict[str, dict[str, Any]],
+                    plan: tuple[tuple[int, int], ...]) -> dict[str, Any]:
+    violations, totals_bad, peak = [], [], 0.0
+    for user, data in ledger.items():
+        points = list(data["events"].values())
+        for limit, seconds in plan:
+            worst = max_window_sum(points, seconds * 1000) if points else 0
+            peak = max(peak, worst / limit)
+            if worst > limit:
+                violations.append({"user": user, "window_s": seconds, "limit": limit,
+                                   "max_sum": worst})
+            meta = data["meta"]
+            w = seconds * 1000
+            if f"t:{w}" in meta:
+                counted = sum(c for ms, c in points if ms > meta[f"lo:{w}"])
+                if counted != meta[f"t:{w}"]:
+                    totals_bad.append({"user": user, "window_s": seconds,
+                                       "running_total": meta[f"t:{w}"], "log_sum": counted})
+    return {"violations": violations, "running_totals_wrong": totals_bad,
+            "peak_fraction_of_limit": round(peak, 3)}
+
+
+def check_ledger(ledger: dict[str, dict[str, Any]], ends: list[dict[str, Any]],
+                 in_flight: list[dict[str, Any]]) -> dict[str, Any]:
+    expected: dict[tuple[str, str], int] = {}
+    twice: list[tuple[str, str]] = []
+    for rec in ends:
+        if rec["charged"] > 0:
+            ident = (rec["user"], rec["rid"])
+            if ident in expected:
+                twice.append(ident)
+            expected[ident] = rec["charged"]
+    killed = {(r["user"], r["rid"]) for r in in_flight}
+    failed_by = {(r["user"], r["rid"]): r for r in ends if r["status"] >= 400 or r["status"] == 0}
+    found = {(u, rid): cost for u, d in ledger.items() for rid, (_, cost) in d["events"].items()}
+    extra, missing, wrong, kept_killed = [], [], [], 0
+    for ident, cost in found.items():
+        if ident in expected:
+            if cost != expected[ident]:
+                wrong.append({"user": ident[0], "rid": ident[1], "ledger": cost,
+                              "expected": expected[ident]})
+        elif ident in killed:
+            kept_killed += 1
+        else:
+            rec = failed_by.get(ident)
+            extra.append({"user": ident[0], "rid": ident[1], "cost": cost,
+                          "status": rec and rec["status"], "code": rec and rec["code"],
+                          "t0": rec and rec["t0"]})
+    for ident, cost in expected.items():
+        if ident not in found:
+            missing.append({"user": ident[0], "rid": ident[1], "expected": cost})
+    return {"charged_for_failed": extra, "missing_charges": missing, "wrong_cost": wrong,
+            "charged_twice": [list(t) for t in twice], "killed_in_flight_kept": kept_killed,
+            "ledger_events": len(found), "expected_events": len(expected),
+            "ledger_tokens": sum(found.values()), "expected_tokens": sum(expected.values())}
+
+
+def max_in_window(times: list[float], window_s: float) -> int:
+    """Most timestamps in any half-open window [t, t + window_s)."""
+    ordered = sorted(times)
+    best = lo = 0
+    for hi, t in enumerate(ordered):
+        while ordered[lo] <= t - window_s:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def check_providers(stats: dict[str, Any], limits: dict[str, tuple[float, float]],
+                    injected_429: dict[str, int]) -> dict[str, Any]:
+    out = {}
+    for family, (rate, per_s) in limits.items():
+        fam = stats["families"][family]
+        times = fam.get("arrival_times") or []
+        worst = max_in_window(times, per_s)
+        own_429 = fam["rate_limited"] - injected_429.get(family, 0)
+        out[family] = {"limit": rate, "per_s": per_s, "arrivals": fam["arrivals"],
+                       "max_in_window": worst, "over": worst > rate,
+                       "emulator_429": fam["rate_limited"], "emulator_own_429": own_429,
+                       "max_in_flight": fam["max_in_flight"]}
+    return out
+
+
+def check_deadlines(ends: list[dict[str, Any]]) -> dict[str, Any]:
+    late = [r for r in ends if r["t1"] - r["t0"] > r["timeout"]]
+    worst = max((r["t1"] - r["t0"] - r["timeout"] for r in ends), default=0.0)
+    return {"late": len(late), "worst_margin_s": round(-worst, 3),
+            "examples": [{k: r[k] for k in ("route", "status", "code")}
+                         | {"took_s": round(r["t1"] - r["t0"], 3)} for r in late[:5]]}
+
+
+def fault_costs(faults: list[dict[str, Any]], ends: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fault: errors by code among invocations that overlapped it, and recovery time
+    (first 2xx answer after the fault ended, measured from its end)."""
+    out = []
+    for fault in faults:
+        start, end = fault["start"], fault["end"]
+        during = [r for r in ends if r["t1"] >= start and r["t0"] <= end + 0.25]
+        codes = Counter(r["code"] or str(r["status"]) for r in during if r["status"] >= 400
+                        or r["status"] == 0)
+        ok_after = [r["t1"] for r in ends if 200 <= r["status"] < 300 and r["t1"] >= end
+                    and r["t0"] >= start and r["route"] != "usage"]
+        out.append({**fault, "invocations": len(during), "errors": dict(codes.most_common()),
+                    "recover_s": round(min(ok_after) - end, 3) if ok_after else None})
+    return out
+
+
+def summary_by_route(ends: list[dict[str, Any]]) -> dict[str, Any]:
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rec in ends:
+        by[rec["route"]].append(rec)
+    out = {}
+    for route, recs in sorted(by.items()):
+        ok = sorted(r["t1"] - r["t0"] for r in recs if 200 <= r["status"] < 300)
+        out[route] = {"n": len(recs), "ok": len(ok),
+                      "codes": dict(Counter(r["code"] for r in recs if r["code"]).most_common()),
+                      "replayed": sum(r["replayed"] for r in recs),
+                      "p50_ms": _pct(ok, 50), "p90_ms": _pct(ok, 90), "p99_ms": _pct(ok, 99)}
+    return out
+
+
+def _pct(sorted_s: list[float], p: int) -> float | None:
+    if not sorted_s:
+        return None
+    if len(sorted_s) == 1:
+        return round(sorted_s[0] * 1000, 1)
+    return round(statistics.quantiles(sorted_s, n=100, method="inclusive")[p - 1] * 1000, 1)

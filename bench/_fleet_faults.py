@@ -1,0 +1,202 @@
+"""The fleet's faults. Each takes the run's context and returns ``{"fault", "start", "end",
+...}`` in epoch seconds: ``end`` is when the fault stopped (Redis answers again, the
+emulator's forced answers are used up, a replica took over)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from usage_limits.keys import provider_keys
+
+import _fleet_worker
+
+
+@dataclass
+class Context:
+    redis: Any  # _fleet_servers.FleetRedis
+    emulator: Any  # local.emulator.EmulatorProcess
+    env: dict[str, str]
+    out_dir: str
+    timeout_s: float
+    lease_s: float
+    injected_429: dict[str, int] = field(default_factory=dict)
+    later: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
+
+
+def _drained(ctx: Context, family: str, timeout_s: float) -> float:
+    """Wait until the emulator used up the forced answers of ``family``; when that was."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        pending = ctx.emulator.stats(times=False)["families"][family]["pending"]
+        if not pending["fail_next"] and not pending["spike_next"]:
+            return time.time()
+        time.sleep(0.05)
+    return time.time()
+
+
+def redis_restart(ctx: Context) -> dict[str, Any]:
+    """SIGKILL a Redis master and start it again on the same port after ``down_s``; it
+    reloads its append-only file (fsync always), so the ledger survives."""
+    node = ctx.redis.masters()[0]
+    down_s = 1.0 if ctx.redis.cluster else 2.0  # below the cluster node timeout: no failover
+    start = time.time()
+    node.stop(kill=True)
+    time.sleep(down_s)
+    node.start()
+    if ctx.redis.cluster:
+        ctx.redis.wait_healthy(20.0)
+    return {"fault": "redis-restart", "start": start, "end": time.time(),
+            "note": f"master :{node.port} down {down_s:g}s"}
+
+
+def script_flush(ctx: Context) -> dict[str, Any]:
+    """SCRIPT FLUSH on every master: the next EVALSHA gets NOSCRIPT and falls back to EVAL."""
+    start = time.time()
+    for node in ctx.redis.masters():
+        node.cli("script", "flush")
+    return {"fault": "script-flush", "start": start, "end": time.time()}
+
+
+def redis_slow(ctx: Context) -> dict[str, Any]:
+    """DEBUG SLEEP 1 on every master: longer than the clients' 0.5 s socket timeout."""
+    start = time.time()
+    threads = [threading.Thread(target=node.cli, args=("debug", "sleep", "1"))
+               for node in ctx.redis.masters()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"fault": "redis-slow", "start": start, "end": time.time(), "note": "DEBUG SLEEP 1"}
+
+
+def upstream_5xx(ctx: Context) -> dict[str, Any]:
+    """A storm of 500s: the next 20 LLM calls fail."""
+    start = time.time()
+    ctx.emulator.fail_next(20, 500, family="llm")
+    return {"fault": "upstream-5xx", "start": start, "end": _drained(ctx, "llm", 20.0),
+            "note": "next 20 llm calls -> 500"}
+
+
+def upstream_429(ctx: Context) -> dict[str, Any]:
+    """A storm of 429s with Retry-After 1 s: the next 8 LLM calls."""
+    start = time.time()
+    ctx.emulator.fail_next(8, 429, family="llm", retry_after_s=1.0)
+    ctx.injected_429["llm"] = ctx.injected_429.get("llm", 0) + 8
+    return {"fault": "upstream-429", "start": start, "end": _drained(ctx, "llm", 20.0),
+            "note": "next 8 llm calls -> 429, Retry-After 1s"}
+
+
+def upstream_latency(ctx: Context) -> dict[str, Any]:
+    """The next 3 LLM answers take longer than the Lambda timeout: the call must give up
+    before the deadline with a refunded 502."""
+    start = time.time()
+    spike_ms = (ctx.timeout_s + 1.0) * 1000
+    ctx.emulator.spike_next(3, latency_ms=spike_ms, family="llm")
+    drained = _drained(ctx, "llm", 20.0)
+    return {"fault": "upstream-latency", "start": start, "end": drained + ctx.timeout_s,
+            "note": f"next 3 llm answers +{spike_ms:.0f} ms"}
+
+
+def kill_lease_holder(ctx: Context) -> dict[str, Any]:
+    """A Lambda holding one of search's two in-flight leases (its upstream call hangs) is
+    SIGKILLed; its lease must expire on its own ``lease_s`` after it was taken."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    port = hole.getsockname()[1]
+    got = threading.Event()
+    conns: list[socket.socket] = []
+
+    def accept() -> None:
+        hole.settimeout(15.0)
+        try:
+            conn, _ = hole.accept()
+            conns.append(conn)
+            conn.settimeout(5.0)
+            conn.recv(65536)  # the request arrived: the caller holds its lease now
+            got.set()
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    env = {**ctx.env, "SEARCH_BASE_URL": f"http://127.0.0.1:{port}"}
+    victim = multiprocessing.get_context("spawn").Process(
+        target=_fleet_worker.main, name="victim",
+        args=("victim", env, os.path.join(ctx.out_dir, "records-victim.jsonl"),
+              time.time() + 60, 0, ["victim-user"], ctx.timeout_s),
+        kwargs={"only": "company_research", "lease_s": ctx.lease_s})
+    victim.start()
+    start = time.time()
+    ok = got.wait(20.0)
+    leases_key = provider_keys("search", "leases")[0]
+    client = ctx.redis.client()
+    before = {m: s for m, s in client.zrange(leases_key, 0, -1, withscores=True)}
+    killed_at = time.time()
+    if victim.pid:
+        os.kill(victim.pid, signal.SIGKILL)
+    victim.join(5)
+    held: dict[bytes, float] = {}
+    if ok:
+        time.sleep(1.0)  # the fleet's own leases are released by now
+        now_ms = time.time() * 1000
+        held = {m: s for m, s in client.zrange(leases_key, 0, -1, withscores=True)
+                if m in before and s > now_ms}
+    for c in conns:
+        c.close()
+    hole.close()
+    expiry = max(held.values()) / 1000 if held else None
+    result = {"fault": "kill-lease-holder", "start": start, "end": killed_at,
+              "note": f"victim held a search lease: {ok}; leaked leases seen: {len(held)}",
+              "lease_s": ctx.lease_s,
+              "slot_back_after_kill_s": round(expiry - killed_at, 3) if expiry else None}
+
+    def freed() -> dict[str, Any]:
+        # Measured after the run: when the leaked lease stopped counting (its expiry) and
+        # whether Redis still lists it as live.
+        now_ms = time.time() * 1000
+        live = [m for m, s in client.zrange(leases_key, 0, -1, withscores=True)
+                if m in held and s > now_ms]
+        return {"leaked_lease_live_at_end": len(live)}
+
+    ctx.later.append(freed)
+    return result
+
+
+def failover(ctx: Context) -> dict[str, Any]:
+    """SIGKILL the master serving the busiest user's keys and wait until its replica is
+    promoted (cluster only); the old master is started again and rejoins as a replica."""
+    if not ctx.redis.cluster:
+        return {"fault": "failover", "start": time.time(), "end": time.time(),
+                "note": "skipped: standalone Redis has no replica"}
+    node = ctx.redis.master_of("ul:{u:user-0}:log")
+    start = time.time()
+    node.stop(kill=True)
+    waited = ctx.redis.wait_promoted(node, 30.0)
+    end = time.time()
+    node.start()  # rejoins as a replica of the promoted node
+    return {"fault": "failover", "start": start, "end": end,
+            "note": f"master :{node.port} killed; replica promoted after {waited:.2f}s"}
+
+
+FAULTS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "redis-restart": redis_restart,
+    "script-flush": script_flush,
+    "redis-slow": redis_slow,
+    "kill-lease-holder": kill_lease_holder,
+    "upstream-latency": upstream_latency,
+    "upstream-5xx": upstream_5xx,
+    "upstream-429": upstream_429,
+    "failover": failover,
+}
+#: When each fault fires, as a fraction of the run.
+SCHEDULE = {"redis-restart": 0.12, "script-flush": 0.25, "redis-slow": 0.32,
+            "upstream-5xx": 0.42, "upstream-429": 0.52, "kill-lease-holder": 0.58,
+            "upstream-latency": 0.68, "failover": 0.8}

@@ -1,0 +1,156 @@
+"""One fleet process = one Lambda execution environment.
+
+It imports the real function modules once (module-level state, the Redis client and the
+HTTP client are reused across invocations, as in Lambda) and calls their Mangum handlers
+one at a time with API Gateway payload-v2 events. Every invocation is written to a JSONL
+file as two lines: ``start`` before the handler runs and ``end`` after it answered, each
+flushed at once, so a process killed mid-request leaves its in-flight request on record.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: route name -> (module, method, path, declared cost in tokens)
+ROUTES: dict[str, tuple[str, str, str, int]] = {
+    "structured": ("functions.structured.app", "POST", "/v1/structured", 8),
+    "embeddings": ("functions.embeddings.app", "POST", "/v1/embeddings", 1),
+    "salary": ("functions.salary.app", "GET", "/v1/salary", 2),
+    "job_extraction": ("functions.job_extraction.app", "POST", "/v1/job-extraction", 10),
+    "company_research": ("functions.company_research.app", "POST", "/v1/company-research", 20),
+    "market_context": ("functions.market_context.app", "POST", "/v1/market-context", 30),
+    "usage": ("functions.usage.app", "GET", "/v1/usage", 0),
+}
+#: Mix of routes, by weight: mostly the cheap ones.
+WEIGHTS = {"structured": 30, "embeddings": 25, "salary": 18, "job_extraction": 8,
+           "company_research": 5, "market_context": 6, "usage": 8}
+#: What company_research / market_context settle to when they found nothing.
+SEARCH_ONLY_COST = 5
+NO_DATA_COST = 2
+
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
+                                           "skills": {"type": "array",
+                                                      "items": {"type": "string"}}},
+          "required": ["title", "skills"], "additionalProperties": False}
+HTML = ("<html><head><title>Data Engineer - Acme Ltd</title></head><body><h1>Data Engineer"
+        "</h1><p>Acme Ltd, Berlin (hybrid). EUR 70,000 - 85,000.</p><ul><li>Python and SQL"
+        "</li><li>Airflow</li><li>AWS</li></ul></body></html>")
+TITLES = ["data engineer", "python developer", "nurse", "product manager", "nojobs tester"]
+
+
+def request_for(route: str, rng: random.Random) -> dict[str, Any]:
+    """The body / query of one request of ``route`` (market_context sometimes finds no data)."""
+    if route == "structured":
+        return {"body": {"prompt": f"Senior {rng.choice(TITLES)} in Berlin", "schema": SCHEMA}}
+    if route == "embeddings":
+        return {"body": {"input": [f"text {rng.randrange(1000)}", "another text"]}}
+    if route == "salary":
+        return {"query": {"title": rng.choice(TITLES[:4]), "location": "London"}}
+    if route == "job_extraction":
+        return {"body": {"html": HTML}}
+    if route == "company_research":
+        return {"body": {"company": rng.choice(["Acme Ltd", "Globex", "Initech"])}}
+    if route == "market_context":
+        return {"body": {"role": rng.choice(TITLES)}}
+    return {}
+
+
+def expected_charge(route: str, status: int, body: Any) -> int:
+    """Tokens a successful first answer leaves in the ledger (after any settle)."""
+    cost = ROUTES[route][3]
+    if not 200 <= status < 300 or not isinstance(body, dict):
+        return 0
+    if route == "company_research" and body.get("model") is None:
+        return SEARCH_ONLY_COST
+    if route == "market_context" and len(body.get("sources") or []) < 2:
+        return NO_DATA_COST
+    return cost
+
+
+def _setup(env: dict[str, str], lease_s: float | None) -> dict[str, Any]:
+    os.environ.update(env)
+    os.environ.pop("ATTO_ENV", None)  # identity only from the JWT claims
+    for path in (ROOT, ROOT / "layers" / "usage_limits", ROOT / "layers" / "providers"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    if lease_s is not None:
+        # The deployment's lease length for capped providers (ProviderClient keeps the
+        # library default of 30 s); shorter here so a leaked lease comes back within a run.
+        from usage_limits.throttle import ProviderThrottle
+
+        ProviderThrottle.from_env.__func__.__kwdefaults__["lease_s"] = lease_s  # type: ignore[attr-defined]
+    import logging
+
+    logging.disable(logging.CRITICAL)  # the functions' request logs would flood the run
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # and so would their CloudWatch metrics (EMF lines on stdout)
+    return {name: importlib.import_module(spec[0]).handler for name, spec in ROUTES.items()}
+
+
+def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int,
+         users: list[str], timeout_s: float, idem_fraction: float = 0.2,
+         repeat_fraction: float = 0.35, only: str | None = None,
+         lease_s: float | None = None, think_s: float = 0.01) -> None:
+    """Invoke handlers until ``stop_at`` (epoch seconds); ``only`` pins one route, once."""
+    handlers = _setup(env, lease_s)
+    from local.lambda_events import FakeContext, http_event, invoke, lambda_loop
+
+    rng = random.Random(seed)
+    names, weights = list(WEIGHTS), list(WEIGHTS.values())
+    used_keys: list[tuple[str, str, str, dict[str, Any]]] = []  # (user, key, route, request)
+    with open(out_path, "a", buffering=1) as out, lambda_loop():
+        n = 0
+        while time.time() < stop_at:
+            n += 1
+            key: str | None = None
+            if only is not None:
+                route, user, req = only, users[0], request_for(only, rng)
+            elif used_keys and rng.random() < idem_fraction * repeat_fraction:
+                user, key, route, req = rng.choice(used_keys)  # a deliberate repeat
+            else:
+                user = users[min(int(rng.expovariate(3.0 / len(users))), len(users) - 1)]
+                route = rng.choices(names, weights)[0]
+                req = request_for(route, rng)
+                if route != "usage" and rng.random() < idem_fraction:
+                    key = f"{wid}-{n}-{uuid.uuid4().hex[:6]}"
+                    used_keys.append((user, key, route, req))
+            _, method, path, cost = ROUTES[route]
+            gateway_id = uuid.uuid4().hex[:16]
+            rid = f"k:{key}" if key else f"r:{gateway_id}"
+            headers = {"idempotency-key": key} if key else None
+            event = http_event(method, path, body=req.get("body"), query=req.get("query"),
+                               headers=headers, user=user, request_id=gateway_id)
+            record: dict[str, Any] = {"w": wid, "pid": os.getpid(), "user": user, "route": route,
+                                      "rid": rid, "cost": cost, "timeout": timeout_s}
+            t0 = time.time()
+            out.write(json.dumps({"kind": "start", "t0": t0, **record}) + "\n")
+            try:
+                result = invoke(handlers[route], event, FakeContext(timeout_s=timeout_s))
+                status, body, hdrs = result.status, result.body, result.headers
+            except Exception as exc:  # noqa: BLE001 - Lambda would report an error: record it
+                status, body, hdrs = 0, {"error": {"code": f"crash:{type(exc).__name__}"}}, {}
+            t1 = time.time()
+            replayed = hdrs.get("idempotent-replayed") == "true"
+            code = None
+            if status >= 400 or status == 0:
+                code = ((body or {}).get("error") or {}).get("code") \
+                    if isinstance(body, dict) else "unparsable"
+            out.write(json.dumps({
+                "kind": "end", "t0": t0, "t1": t1, "status": status, "code": code,
+                "replayed": replayed,
+                "charged": 0 if replayed else expected_charge(route, status, body),
+                **record}) + "\n")
+            if only is not None:
+                return
+            if think_s:
+                time.sleep(rng.uniform(0, think_s))

@@ -1,0 +1,277 @@
+"""Fleet harness: many Lambda environments at once, faults injected, the promise checked.
+
+    .venv/bin/python bench/fleet.py [--processes 8] [--users 50] [--duration 60] [--cluster]
+                                    [--quick] [--faults all|none|a,b,...] [--out bench/out/fleet]
+
+N spawned processes each act as one Lambda execution environment (``_fleet_worker``): the
+real function modules, their Mangum handlers, payload-v2 events with JWT claims, one
+request at a time. They share one Redis (standalone, or a 3-master cluster with replicas)
+and one provider emulator whose own rate limits equal the throttle's. Faults fire at fixed
+points of the run (``_fleet_faults``). Afterwards the invariants (``_fleet_check``) are
+checked from Redis, the emulator's counters and the invocation records, a table is printed
+and PNG plots are written. Exit status 0 when every invariant holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _p in (HERE, ROOT, ROOT / "layers" / "usage_limits", ROOT / "layers" / "providers"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import _fleet_check as check  # noqa: E402
+import _fleet_faults as faults  # noqa: E402
+import _fleet_worker as worker  # noqa: E402
+from _fleet_servers import FleetRedis  # noqa: E402
+
+from local.emulator import EmulatorProcess  # noqa: E402
+from usage_limits.web.settings import parse_plan  # noqa: E402
+
+#: Provider limits: the throttle's (env) and the emulator's own, the same numbers.
+PROVIDERS = {"llm": "10/s", "salary": "4/s", "search": "3/s"}
+SEARCH_CONCURRENCY = 2
+FAILURE_RATE = 0.05
+CHEAP_FAULTS = ["redis-restart", "script-flush", "redis-slow", "upstream-5xx", "upstream-429",
+                "kill-lease-holder", "upstream-latency"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--processes", type=int, default=8)
+    ap.add_argument("--users", type=int, default=50)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
+    ap.add_argument("--cluster", action="store_true", help="3 masters + 3 replicas")
+    ap.add_argument("--quick", action="store_true",
+                    help="4 processes, 10 users, 14 s, every cheap fault")
+    ap.add_argument("--faults", default="all", help="all, none or a comma-separated list of: "
+                    + ", ".join(faults.FAULTS))
+    ap.add_argument("--budget", default=None, help="ATTO_BUDGET (default scales with duration)")
+    ap.add_argument("--lambda-timeout", type=float, default=None,
+                    help="each invocation's Lambda timeout, s (default 6; quick 5)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=str(HERE / "out" / "fleet"))
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.processes, args.users, args.duration = 4, 10, 14.0
+    args.lambda_timeout = args.lambda_timeout or (5.0 if args.quick else 6.0)
+    if args.faults == "all":
+        chosen = CHEAP_FAULTS + (["failover"] if args.cluster else [])
+    elif args.faults == "none":
+        chosen = []
+    else:
+        chosen = [f.strip() for f in args.faults.split(",") if f.strip()]
+        unknown = set(chosen) - set(faults.FAULTS)
+        if unknown:
+            ap.error(f"unknown fault(s): {', '.join(sorted(unknown))}")
+    args.fault_list = chosen
+    if args.budget is None:
+        short = max(4, round(args.duration / 3))
+        long_ = max(30, round(2 * args.duration))
+        args.budget = f"60/{short}s,200/{long_}s"
+    return args
+
+
+def provider_limits() -> dict[str, tuple[float, float]]:
+    from usage_limits.throttle import parse_rate
+
+    return {family: parse_rate(rate) for family, rate in PROVIDERS.items()}
+
+
+def function_env(redis: FleetRedis, emu: EmulatorProcess, args: argparse.Namespace) -> dict[str, str]:
+    env = {**redis.env(), "ATTO_BUDGET": args.budget, "IDEMPOTENCY_TTL_S": "600",
+           "LLM_BASE_URL": emu.openai_base_url, "LLM_API_KEY": "fleet-llm-key",
+           "SALARY_BASE_URL": emu.adzuna_base_url, "SALARY_APP_ID": "fleet",
+           "SALARY_APP_KEY": "fleet-key",
+           "SEARCH_BASE_URL": emu.tavily_base_url, "SEARCH_API_KEY": "fleet-search-key",
+           "SEARCH_CONCURRENCY": str(SEARCH_CONCURRENCY)}
+    for family, rate in PROVIDERS.items():
+        env[f"{family.upper()}_RATE"] = rate
+        env[f"{family.upper()}_BURST"] = "1"  # then no window of per_s holds more than rate
+    return env
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("records-*.jsonl"):
+        old.unlink()
+    plan = parse_plan(args.budget)
+    limits = provider_limits()
+    lease_s = args.lambda_timeout + 1.0
+    users = [f"user-{i}" for i in range(args.users)]
+    emu_families = {f: {"rate": r, "latency_ms": 20, "jitter_ms": 40} for f, r in PROVIDERS.items()}
+    with FleetRedis(cluster=args.cluster) as redis, \
+            EmulatorProcess(seed=args.seed, failure_rate=FAILURE_RATE,
+                            families=emu_families) as emu:
+        env = function_env(redis, emu, args)
+        ctx = faults.Context(redis=redis, emulator=emu, env=env, out_dir=str(out),
+                             timeout_s=args.lambda_timeout, lease_s=lease_s)
+        spawn = multiprocessing.get_context("spawn")
+        warmup_s = 4.0 + 1.0 * args.processes  # imports of every function, on 2 cores
+        t_start = time.time() + warmup_s
+        stop_at = t_start + args.duration
+        procs = [spawn.Process(target=worker.main, name=f"fleet-{i}", args=(
+            f"w{i}", env, str(out / f"records-w{i}.jsonl"), stop_at, args.seed * 1000 + i,
+            users, args.lambda_timeout), kwargs={"lease_s": lease_s})
+            for i in range(args.processes)]
+        for p in procs:
+            p.start()
+        time.sleep(max(0.0, t_start - time.time()))
+        done = []
+        schedule = sorted(args.fault_list, key=lambda f: faults.SCHEDULE[f])
+        for name in schedule:
+            at = t_start + faults.SCHEDULE[name] * args.duration
+            time.sleep(max(0.0, at - time.time()))
+            print(f"[{time.time() - t_start:6.1f}s] fault {name}", flush=True)
+            done.append(faults.FAULTS[name](ctx))
+        for p in procs:
+            p.join(max(1.0, stop_at - time.time() + args.lambda_timeout + 10))
+            if p.is_alive():
+                p.kill()
+        # A leaked lease must come back by itself: wait for it (bounded) before measuring.
+        for fault in done:
+            back = fault.get("slot_back_after_kill_s")
+            if back is not None:
+                time.sleep(max(0.0, fault["end"] + back + 0.2 - time.time()))
+        later = {}
+        for fn in ctx.later:
+            later.update(fn())
+        result = evaluate(out, redis, emu, plan, limits, ctx, done, users, later, args, t_start)
+    return result
+
+
+def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
+             limits: dict[str, tuple[float, float]], ctx: faults.Context,
+             done: list[dict[str, Any]], users: list[str], later: dict[str, Any],
+             args: argparse.Namespace, t_start: float) -> dict[str, Any]:
+    lines: list[str] = []
+    for path in sorted(out.glob("records-*.jsonl")):
+        lines += path.read_text().splitlines()
+    ends, in_flight = check.load_records(lines)
+    client = redis.client()
+    ledger = check.read_ledger(client, sorted({r["user"] for r in ends} | {"victim-user"}
+                                              | set(users)))
+    stats = emu.stats(window_s=1.0, times=True)
+    result = {
+        "config": {"processes": args.processes, "users": args.users, "duration_s": args.duration,
+                   "topology": "cluster (3 masters + 3 replicas)" if args.cluster
+                   else "standalone", "budget": args.budget, "providers": PROVIDERS,
+                   "search_concurrency": SEARCH_CONCURRENCY, "lambda_timeout_s":
+                   args.lambda_timeout, "lease_s": ctx.lease_s, "failure_rate": FAILURE_RATE,
+                   "faults": args.fault_list},
+        "invocations": len(ends),
+        "status": _count(str(r["status"]) for r in ends),
+        "overspend": check.check_overspend(ledger, plan),
+        "ledger": check.check_ledger(ledger, ends, in_flight),
+        "providers": check.check_providers(stats, limits, ctx.injected_429),
+        "deadlines": check.check_deadlines(ends),
+        "faults": check.fault_costs(done, ends),
+        "routes": check.summary_by_route(ends),
+        "after_run": later,
+        "in_flight_at_end": len(in_flight),
+    }
+    led = result["ledger"]
+    result["invariants"] = {
+        "no_overspend": not result["overspend"]["violations"]
+        and not result["overspend"]["running_totals_wrong"],
+        "ledger_equals_work": not (led["charged_for_failed"] or led["missing_charges"]
+                                   or led["wrong_cost"] or led["charged_twice"]),
+        "providers_within_limit": not any(p["over"] or p["emulator_own_429"] > 0
+                                          for p in result["providers"].values()),
+        "deadlines_kept": result["deadlines"]["late"] == 0,
+    }
+    result["ok"] = all(result["invariants"].values())
+    (out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    if not args.no_plots:
+        import _fleet_plots
+
+        _fleet_plots.write(out, stats, limits, ledger, plan, ends, t_start)
+    return result
+
+
+def _count(items: Any) -> dict[str, int]:
+    from collections import Counter
+
+    return dict(Counter(items).most_common())
+
+
+def table(result: dict[str, Any]) -> str:
+    cfg, inv = result["config"], result["invariants"]
+    ov, led, dl = result["overspend"], result["ledger"], result["deadlines"]
+    rows = [f"Fleet: {cfg['processes']} processes, {cfg['users']} users, {cfg['duration_s']:g} s,"
+            f" {cfg['topology']}, budget {cfg['budget']}, providers "
+            + ", ".join(f"{k} {v}" for k, v in cfg["providers"].items())
+            + f", search concurrency {cfg['search_concurrency']}, Lambda timeout "
+            f"{cfg['lambda_timeout_s']:g} s, upstream failure rate {cfg['failure_rate']:.0%}",
+            f"Invocations: {result['invocations']}  by status: {result['status']}", "",
+            "| invariant | result | detail |", "|---|---|---|"]
+
+    def mark(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    rows.append(f"| 1. no user over budget in any window | {mark(inv['no_overspend'])} | "
+                f"violations {len(ov['violations'])}, running totals wrong "
+                f"{len(ov['running_totals_wrong'])}, peak {ov['peak_fraction_of_limit']:.0%} "
+                f"of a limit |")
+    rows.append(f"| 2. ledger = cost of successful work | {mark(inv['ledger_equals_work'])} | "
+                f"{led['ledger_events']} charges / {led['ledger_tokens']} tokens vs expected "
+                f"{led['expected_events']} / {led['expected_tokens']}; charged for failed "
+                f"{len(led['charged_for_failed'])}, missing {len(led['missing_charges'])}, "
+                f"wrong cost {len(led['wrong_cost'])}, twice {len(led['charged_twice'])}, "
+                f"killed in flight kept {led['killed_in_flight_kept']} |")
+    prov = "; ".join(f"{f} max {p['max_in_window']}/{p['limit']:g} per {p['per_s']:g}s, "
+                     f"{p['arrivals']} calls, emulator 429 {p['emulator_429']} "
+                     f"(own {p['emulator_own_429']})" for f, p in result["providers"].items())
+    rows.append(f"| 3. no provider over its limit | {mark(inv['providers_within_limit'])} | "
+                f"{prov} |")
+    rows.append(f"| 4. no invocation past its deadline | {mark(inv['deadlines_kept'])} | "
+                f"late {dl['late']}, smallest margin {dl['worst_margin_s']:.3f} s |")
+    if result["faults"]:
+        rows += ["", "| fault | at (s) | lasted (s) | invocations | errors returned | "
+                 "recovered after (s) | note |", "|---|---|---|---|---|---|---|"]
+        t0 = min(f["start"] for f in result["faults"])
+        for f in result["faults"]:
+            errors = ", ".join(f"{k} {v}" for k, v in f["errors"].items()) or "none"
+            note = f.get("note", "")
+            if f.get("slot_back_after_kill_s") is not None:
+                note += (f"; leaked slot back {f['slot_back_after_kill_s']:.2f} s after the "
+                         f"kill (lease_s {f['lease_s']:g})")
+            rec = "-" if f["recover_s"] is None else f"{f['recover_s']:.3f}"
+            rows.append(f"| {f['fault']} | {f['start'] - t0:.1f} | {f['end'] - f['start']:.2f} "
+                        f"| {f['invocations']} | {errors} | {rec} | {note} |")
+    rows += ["", "| route | n | 2xx | replayed | p50 ms | p90 ms | p99 ms | errors |",
+             "|---|---|---|---|---|---|---|---|"]
+    for route, r in result["routes"].items():
+        errors = ", ".join(f"{k} {v}" for k, v in r["codes"].items()) or "-"
+        rows.append(f"| {route} | {r['n']} | {r['ok']} | {r['replayed']} | {r['p50_ms']} | "
+                    f"{r['p90_ms']} | {r['p99_ms']} | {errors} |")
+    rows += ["", f"ALL INVARIANTS {'HOLD' if result['ok'] else 'BROKEN'}"]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    text = table(result)
+    Path(args.out, "table.md").write_text(text + "\n")
+    print(text)
+    if not result["ok"]:
+        print(json.dumps({k: result[k] for k in ("overspend", "ledger", "providers",
+                                                 "deadlines")}, indent=1, default=str)[:6000])
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

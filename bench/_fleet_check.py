@@ -99,7 +99,10 @@ def check_overspend(ledger: dict[str, dict[str, Any]],
 
 
 def check_ledger(ledger: dict[str, dict[str, Any]], ends: list[dict[str, Any]],
-                 in_flight: list[dict[str, Any]]) -> dict[str, Any]:
+                 in_flight: list[dict[str, Any]],
+                 redis_down: list[tuple[float, float]] = ()) -> dict[str, Any]:
+    """Invariant 2. A failed request whose refund fell into a Redis fault window (``redis_down``:
+    the refund needs Redis) is listed apart, as ``refund_lost_to_redis_fault``."""
     expected: dict[tuple[str, str], int] = {}
     twice: list[tuple[str, str]] = []
     for rec in ends:
@@ -111,7 +114,7 @@ def check_ledger(ledger: dict[str, dict[str, Any]], ends: list[dict[str, Any]],
     killed = {(r["user"], r["rid"]) for r in in_flight}
     failed_by = {(r["user"], r["rid"]): r for r in ends if r["status"] >= 400 or r["status"] == 0}
     found = {(u, rid): cost for u, d in ledger.items() for rid, (_, cost) in d["events"].items()}
-    extra, missing, wrong, kept_killed = [], [], [], 0
+    extra, missing, wrong, lost, kept_killed = [], [], [], [], 0
     for ident, cost in found.items():
         if ident in expected:
             if cost != expected[ident]:
@@ -121,13 +124,17 @@ def check_ledger(ledger: dict[str, dict[str, Any]], ends: list[dict[str, Any]],
             kept_killed += 1
         else:
             rec = failed_by.get(ident)
+            if rec and any(a - 0.1 <= rec["t1"] and rec["t0"] <= b + 0.6 for a, b in redis_down):
+                lost.append({"user": ident[0], "rid": ident[1], "cost": cost,
+                             "status": rec["status"], "code": rec["code"]})
+                continue
             extra.append({"user": ident[0], "rid": ident[1], "cost": cost,
                           "status": rec and rec["status"], "code": rec and rec["code"],
                           "t0": rec and rec["t0"]})
     for ident, cost in expected.items():
         if ident not in found:
             missing.append({"user": ident[0], "rid": ident[1], "expected": cost})
-    return {"charged_for_failed": extra, "missing_charges": missing, "wrong_cost": wrong,
+    return {"charged_for_failed": extra, "refund_lost_to_redis_fault": lost, "missing_charges": missing, "wrong_cost": wrong,
             "charged_twice": [list(t) for t in twice], "killed_in_flight_kept": kept_killed,
             "ledger_events": len(found), "expected_events": len(expected),
             "ledger_tokens": sum(found.values()), "expected_tokens": sum(expected.values())}
@@ -151,11 +158,14 @@ def check_providers(stats: dict[str, Any], limits: dict[str, tuple[float, float]
         fam = stats["families"][family]
         times = fam.get("arrival_times") or []
         worst = max_in_window(times, per_s)
+        ordered = sorted(times)
+        over_at = [round(t, 3) for i, t in enumerate(ordered)
+                   if sum(1 for u in ordered[i:i + int(rate) + 1] if u < t + per_s) > rate][:5]
         own_429 = fam["rate_limited"] - injected_429.get(family, 0)
         out[family] = {"limit": rate, "per_s": per_s, "arrivals": fam["arrivals"],
                        "max_in_window": worst, "over": worst > rate,
                        "emulator_429": fam["rate_limited"], "emulator_own_429": own_429,
-                       "max_in_flight": fam["max_in_flight"]}
+                       "max_in_flight": fam["max_in_flight"], "over_at": over_at}
     return out
 
 

@@ -27,13 +27,14 @@ class Context:
     out_dir: str
     timeout_s: float
     lease_s: float
+    stop_at: float = 0.0
     injected_429: dict[str, int] = field(default_factory=dict)
     later: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
 
 
 def _drained(ctx: Context, family: str, timeout_s: float) -> float:
     """Wait until the emulator used up the forced answers of ``family``; when that was."""
-    deadline = time.time() + timeout_s
+    deadline = min(time.time() + timeout_s, ctx.stop_at)
     while time.time() < deadline:
         pending = ctx.emulator.stats(times=False)["families"][family]["pending"]
         if not pending["fail_next"] and not pending["spike_next"]:
@@ -100,8 +101,7 @@ def upstream_latency(ctx: Context) -> dict[str, Any]:
     start = time.time()
     spike_ms = (ctx.timeout_s + 1.0) * 1000
     ctx.emulator.spike_next(3, latency_ms=spike_ms, family="llm")
-    drained = _drained(ctx, "llm", 20.0)
-    return {"fault": "upstream-latency", "start": start, "end": drained + ctx.timeout_s,
+    return {"fault": "upstream-latency", "start": start, "end": _drained(ctx, "llm", 20.0),
             "note": f"next 3 llm answers +{spike_ms:.0f} ms"}
 
 
@@ -197,6 +197,6 @@ FAULTS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "failover": failover,
 }
 #: When each fault fires, as a fraction of the run.
-SCHEDULE = {"redis-restart": 0.12, "script-flush": 0.25, "redis-slow": 0.32,
-            "upstream-5xx": 0.42, "upstream-429": 0.52, "kill-lease-holder": 0.58,
-            "upstream-latency": 0.68, "failover": 0.8}
+SCHEDULE = {"redis-restart": 0.08, "script-flush": 0.2, "redis-slow": 0.25,
+            "upstream-5xx": 0.33, "upstream-429": 0.4, "upstream-latency": 0.5,
+            "kill-lease-holder": 0.55, "failover": 0.75}

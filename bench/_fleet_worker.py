@@ -77,7 +77,8 @@ def expected_charge(route: str, status: int, body: Any) -> int:
     return cost
 
 
-def _setup(env: dict[str, str], lease_s: float | None) -> dict[str, Any]:
+def _setup(env: dict[str, str], lease_s: float | None,
+           log_path: str | None = None) -> dict[str, Any]:
     os.environ.update(env)
     os.environ.pop("ATTO_ENV", None)  # identity only from the JWT claims
     for path in (ROOT, ROOT / "layers" / "usage_limits", ROOT / "layers" / "providers"):
@@ -91,9 +92,10 @@ def _setup(env: dict[str, str], lease_s: float | None) -> dict[str, Any]:
         ProviderThrottle.from_env.__func__.__kwdefaults__["lease_s"] = lease_s  # type: ignore[attr-defined]
     import logging
 
-    logging.disable(logging.CRITICAL)  # the functions' request logs would flood the run
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # and so would their CloudWatch metrics (EMF lines on stdout)
+    logging.disable(logging.INFO)  # per-request logs would flood the run; errors are kept
+    if log_path is not None:
+        # The functions log and emit metrics (EMF) on stdout, as in Lambda: into a file.
+        os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 1)
     return {name: importlib.import_module(spec[0]).handler for name, spec in ROUTES.items()}
 
 
@@ -102,7 +104,7 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int
          repeat_fraction: float = 0.35, only: str | None = None,
          lease_s: float | None = None, think_s: float = 0.01) -> None:
     """Invoke handlers until ``stop_at`` (epoch seconds); ``only`` pins one route, once."""
-    handlers = _setup(env, lease_s)
+    handlers = _setup(env, lease_s, out_path.replace("records-", "log-").replace(".jsonl", ".txt"))
     from local.lambda_events import FakeContext, http_event, invoke, lambda_loop
 
     rng = random.Random(seed)

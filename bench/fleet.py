@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
     ap.add_argument("--cluster", action="store_true", help="3 masters + 3 replicas")
     ap.add_argument("--quick", action="store_true",
-                    help="4 processes, 10 users, 14 s, every cheap fault")
+                    help="4 processes, 10 users, 20 s, every cheap fault")
     ap.add_argument("--faults", default="all", help="all, none or a comma-separated list of: "
                     + ", ".join(faults.FAULTS))
     ap.add_argument("--budget", default=None, help="ATTO_BUDGET (default scales with duration)")
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
-        args.processes, args.users, args.duration = 4, 10, 14.0
+        args.processes, args.users, args.duration = 4, 10, 20.0
     args.lambda_timeout = args.lambda_timeout or (5.0 if args.quick else 6.0)
     if args.faults == "all":
         chosen = CHEAP_FAULTS + (["failover"] if args.cluster else [])
@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warmup_s = 4.0 + 1.0 * args.processes  # imports of every function, on 2 cores
         t_start = time.time() + warmup_s
         stop_at = t_start + args.duration
+        ctx.stop_at = stop_at
         procs = [spawn.Process(target=worker.main, name=f"fleet-{i}", args=(
             f"w{i}", env, str(out / f"records-w{i}.jsonl"), stop_at, args.seed * 1000 + i,
             users, args.lambda_timeout), kwargs={"lease_s": lease_s})
@@ -174,7 +175,9 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
         "invocations": len(ends),
         "status": _count(str(r["status"]) for r in ends),
         "overspend": check.check_overspend(ledger, plan),
-        "ledger": check.check_ledger(ledger, ends, in_flight),
+        "ledger": check.check_ledger(ledger, ends, in_flight, [
+            (f["start"], f["end"]) for f in done
+            if f["fault"] in ("redis-restart", "redis-slow", "failover")]),
         "providers": check.check_providers(stats, limits, ctx.injected_429),
         "deadlines": check.check_deadlines(ends),
         "faults": check.fault_costs(done, ends),
@@ -230,7 +233,9 @@ def table(result: dict[str, Any]) -> str:
                 f"{led['expected_events']} / {led['expected_tokens']}; charged for failed "
                 f"{len(led['charged_for_failed'])}, missing {len(led['missing_charges'])}, "
                 f"wrong cost {len(led['wrong_cost'])}, twice {len(led['charged_twice'])}, "
-                f"killed in flight kept {led['killed_in_flight_kept']} |")
+                f"killed in flight kept {led['killed_in_flight_kept']}; refunds lost to a "
+                f"Redis fault {len(led['refund_lost_to_redis_fault'])} "
+                f"({sum(x['cost'] for x in led['refund_lost_to_redis_fault'])} tokens) |")
     prov = "; ".join(f"{f} max {p['max_in_window']}/{p['limit']:g} per {p['per_s']:g}s, "
                      f"{p['arrivals']} calls, emulator 429 {p['emulator_429']} "
                      f"(own {p['emulator_own_429']})" for f, p in result["providers"].items())

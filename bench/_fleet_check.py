@@ -112,7 +112,10 @@ def check_ledger(ledger: dict[str, dict[str, Any]], ends: list[dict[str, Any]],
                 twice.append(ident)
             expected[ident] = rec["charged"]
     killed = {(r["user"], r["rid"]) for r in in_flight}
-    failed_by = {(r["user"], r["rid"]): r for r in ends if r["status"] >= 400 or r["status"] == 0}
+    failed_by: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in ends:
+        if r["status"] >= 400 or r["status"] == 0:
+            failed_by[(r["user"], r["rid"])].append(r)
     found = {(u, rid): cost for u, d in ledger.items() for rid, (_, cost) in d["events"].items()}
     extra, missing, wrong, lost, kept_killed = [], [], [], [], 0
     for ident, cost in found.items():
@@ -123,8 +126,11 @@ def check_ledger(ledger: dict[str, dict[str, Any]], ends: list[dict[str, Any]],
         elif ident in killed:
             kept_killed += 1
         else:
-            rec = failed_by.get(ident)
-            if rec and any(a - 0.1 <= rec["t1"] and rec["t0"] <= b + 0.6 for a, b in redis_down):
+            recs = failed_by.get(ident, [])
+            hit = [r for r in recs if any(a - 0.1 <= r["t1"] and r["t0"] <= b + 0.6
+                                          for a, b in redis_down)]
+            rec = hit[0] if hit else (recs[-1] if recs else None)
+            if hit:
                 lost.append({"user": ident[0], "rid": ident[1], "cost": cost,
                              "status": rec["status"], "code": rec["code"]})
                 continue
@@ -134,7 +140,8 @@ def check_ledger(ledger: dict[str, dict[str, Any]], ends: list[dict[str, Any]],
     for ident, cost in expected.items():
         if ident not in found:
             missing.append({"user": ident[0], "rid": ident[1], "expected": cost})
-    return {"charged_for_failed": extra, "refund_lost_to_redis_fault": lost, "missing_charges": missing, "wrong_cost": wrong,
+    return {"charged_for_failed": extra, "refund_lost_to_redis_fault": lost,
+            "missing_charges": missing, "wrong_cost": wrong,
             "charged_twice": [list(t) for t in twice], "killed_in_flight_kept": kept_killed,
             "ledger_events": len(found), "expected_events": len(expected),
             "ledger_tokens": sum(found.values()), "expected_tokens": sum(expected.values())}

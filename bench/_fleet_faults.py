@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from usage_limits.keys import provider_keys
-
 import _fleet_worker
+
+from usage_limits.keys import provider_keys
 
 
 @dataclass

@@ -26,7 +26,7 @@ NODE_TIMEOUT_MS = 2000
 
 
 class FleetRedis:
-    """The Redis of one fleet run. ``cluster=False``: one server; ``True``: 3 masters + 3 replicas."""
+    """The Redis of one fleet run: one server, or 3 masters + 3 replicas (``cluster=True``)."""
 
     def __init__(self, *, cluster: bool = False) -> None:
         self.cluster = cluster

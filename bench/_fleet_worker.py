@@ -102,11 +102,13 @@ def _setup(env: dict[str, str], lease_s: float | None,
 def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int,
          users: list[str], timeout_s: float, idem_fraction: float = 0.2,
          repeat_fraction: float = 0.35, only: str | None = None,
-         lease_s: float | None = None, think_s: float = 0.01) -> None:
+         lease_s: float | None = None, think_s: float = 0.01,
+         start_at: float = 0.0) -> None:
     """Invoke handlers until ``stop_at`` (epoch seconds); ``only`` pins one route, once."""
     handlers = _setup(env, lease_s, out_path.replace("records-", "log-").replace(".jsonl", ".txt"))
     from local.lambda_events import FakeContext, http_event, invoke, lambda_loop
 
+    time.sleep(max(0.0, start_at - time.time()))  # every environment starts together
     rng = random.Random(seed)
     names, weights = list(WEIGHTS), list(WEIGHTS.values())
     used_keys: list[tuple[str, str, str, dict[str, Any]]] = []  # (user, key, route, request)

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
-import os
 import sys
 import time
 from pathlib import Path
@@ -89,7 +87,8 @@ def provider_limits() -> dict[str, tuple[float, float]]:
     return {family: parse_rate(rate) for family, rate in PROVIDERS.items()}
 
 
-def function_env(redis: FleetRedis, emu: EmulatorProcess, args: argparse.Namespace) -> dict[str, str]:
+def function_env(redis: FleetRedis, emu: EmulatorProcess,
+                 args: argparse.Namespace) -> dict[str, str]:
     env = {**redis.env(), "ATTO_BUDGET": args.budget, "IDEMPOTENCY_TTL_S": "600",
            "LLM_BASE_URL": emu.openai_base_url, "LLM_API_KEY": "fleet-llm-key",
            "SALARY_BASE_URL": emu.adzuna_base_url, "SALARY_APP_ID": "fleet",
@@ -125,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctx.stop_at = stop_at
         procs = [spawn.Process(target=worker.main, name=f"fleet-{i}", args=(
             f"w{i}", env, str(out / f"records-w{i}.jsonl"), stop_at, args.seed * 1000 + i,
-            users, args.lambda_timeout), kwargs={"lease_s": lease_s})
+            users, args.lambda_timeout), kwargs={"lease_s": lease_s, "start_at": t_start})
             for i in range(args.processes)]
         for p in procs:
             p.start()

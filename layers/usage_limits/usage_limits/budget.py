@@ -47,6 +47,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from ._scripts import script
@@ -212,6 +213,7 @@ class TokenBudget:
         self.redis = redis
         self.windows = _plan(windows)
         self.key_margin_ms = round(key_margin_s * 1000)
+        self._default_args = _plan_args(self.windows)
 
     async def reserve(self, user_id: str, request_id: str, cost: int, *, route: str = "",
                       windows: Sequence[Window] | None = None,
@@ -317,15 +319,13 @@ class TokenBudget:
         if not isinstance(route, str) or len(route) > MAX_ID_LENGTH or not route.isprintable():
             raise InvalidArgument("route must be a printable string of at most 256 characters")
         now = _now_ms(now_ms)
-        for w in plan:
-            if cost > w.limit:
-                raise CostExceedsLimit(
-                    f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
-                    cost=cost, limit=w.limit)
-        args: list[Any] = [now, request_id, cost, nonce, route, self.key_margin_ms]
-        for w in plan:
-            args += [w.ms, w.limit]
-        return keys, args
+        smallest, tail = self._default_args if plan is self.windows else _plan_args(plan)
+        if cost > smallest:
+            w = next(w for w in plan if cost > w.limit)
+            raise CostExceedsLimit(
+                f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
+                cost=cost, limit=w.limit)
+        return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail]
 
 
 def _plan(windows: Sequence[Window]) -> tuple[Window, ...]:
@@ -342,10 +342,21 @@ def _plan(windows: Sequence[Window]) -> tuple[Window, ...]:
     return plan
 
 
+@lru_cache(maxsize=64)
+def _plan_args(plan: tuple[Window, ...]) -> tuple[int, tuple[int, ...]]:
+    """The plan's smallest limit and its window_ms, limit pairs as the reserve script reads them."""
+    return min(w.limit for w in plan), tuple(x for w in plan for x in (w.ms, w.limit))
+
+
+@lru_cache(maxsize=1024)
+def _key_names(user_id: str) -> tuple[str, ...]:
+    return tuple(user_keys(user_id, "log", "ev", "meta"))
+
+
 def _user_keys(user_id: str) -> list[str]:
     if not isinstance(user_id, str) or not user_id:
         raise InvalidArgument("user_id must be a non-empty string")
-    return user_keys(user_id, "log", "ev", "meta")
+    return list(_key_names(user_id))
 
 
 def _check_request_id(request_id: str) -> None:
@@ -377,17 +388,19 @@ def _window(w: Window, used: int, resets_at_ms: int) -> WindowUsage:
 
 def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...]) -> Reservation:
     """A ``Reservation`` from the reply of budget_reserve.lua (see its header)."""
-    status, retry_ms, binding = int(reply[0]), int(reply[1]), int(reply[2])
-    states = tuple(_window(w, int(reply[3 + 2 * i]), int(reply[4 + 2 * i]))
-                   for i, w in enumerate(plan))
-    if status == _REJECTED:
-        bind = plan[binding - 1]
-    else:
-        bind = plan[min(range(len(plan)), key=lambda i: states[i].remaining)]
-    return Reservation(
-        allowed=status != _REJECTED, remaining=min(s.remaining for s in states),
-        retry_after_s=retry_ms / 1000.0, duplicate=status == _DUPLICATE, cost=cost,
-        limit=bind.limit, window_s=float(bind.seconds), windows=states)
+    status = int(reply[0])
+    states = []
+    least, tightest = -1, plan[0]  # when allowed, the window with least room binds
+    for i, w in enumerate(plan):
+        limit, used = w.limit, int(reply[3 + 2 * i])
+        left = limit - used if used < limit else 0
+        states.append(WindowUsage(limit, used, left, float(w.seconds), int(reply[4 + 2 * i])))
+        if least < 0 or left < least:
+            least, tightest = left, w
+    bind = plan[int(reply[2]) - 1] if status == _REJECTED else tightest
+    return Reservation(status != _REJECTED, least, int(reply[1]) / 1000.0,
+                       status == _DUPLICATE, cost, bind.limit, float(bind.seconds),
+                       tuple(states))
 
 
 def _decode_usage(reply: list[Any], plan: tuple[Window, ...]) -> Usage:

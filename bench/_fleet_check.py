@@ -52,13 +52,18 @@ def read_ledger(client: Any, users: Iterable[str]) -> dict[str, dict[str, Any]]:
         log_key, ev_key, meta_key = user_keys(user, "log", "ev", "meta")
         scores = client.zrange(log_key, 0, -1, withscores=True)
         ev = client.hgetall(ev_key)
-        meta = {k.decode(): int(float(v)) for k, v in client.hgetall(meta_key).items()}
+        meta, odd = {}, {}
+        for k, v in client.hgetall(meta_key).items():
+            try:
+                meta[k.decode()] = int(float(v))
+            except ValueError:
+                odd[k.decode()] = v.decode(errors="replace")  # reported as malformed
         events = {}
         for member, score in scores:
             rec = ev.get(member)
             cost = int(rec.split(b" ", 1)[0]) if rec else 0
             events[member.decode()] = (int(score), cost)
-        out[user] = {"events": events, "meta": meta}
+        out[user] = {"events": events, "meta": meta, "malformed_meta": odd}
     return out
 
 
@@ -88,8 +93,10 @@ def check_overspend(ledger: dict[str, dict[str, Any]],
                 violations.append({"user": user, "window_s": seconds, "limit": limit,
                                    "max_sum": worst})
             meta = data["meta"]
+            if data.get("malformed_meta"):
+                totals_bad.append({"user": user, "malformed_meta": data["malformed_meta"]})
             w = seconds * 1000
-            if f"t:{w}" in meta:
+            if f"t:{w}" in meta and f"lo:{w}" in meta:
                 counted = sum(c for ms, c in points if ms > meta[f"lo:{w}"])
                 if counted != meta[f"t:{w}"]:
                     totals_bad.append({"user": user, "window_s": seconds,

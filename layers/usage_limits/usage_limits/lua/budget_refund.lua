@@ -8,7 +8,8 @@ Only the given user's keys are touched, so another user's request id is never fo
 
 KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
 KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)
-KEYS[3]  meta        hash: clk (ms), t:<W> (tokens), lo:<W> (ms); see budget_reserve.lua
+KEYS[3]  meta        hash: clk (ms), t:<W> (tokens), lo:<W> (ms), f:<W> (ms or '-');
+                     see budget_reserve.lua
 ARGV[1]  request_id  the charge's id
 ARGV[2]  new_cost    tokens the request really used (integer >= 0; 0 = refund it all)
 
@@ -36,16 +37,20 @@ end
 if new_cost >= old_cost and new_cost > 0 then return 0 end
 
 local delta = old_cost - new_cost
-if delta > 0 then
-  local flat = redis.call('HGETALL', meta_key)
-  for i = 1, #flat, 2 do
-    local w = string.match(flat[i], '^lo:(%d+)$')
-    -- still counted by this window: give the difference back
-    if w and score > tonumber(flat[i + 1]) then
-      redis.call('HINCRBY', meta_key, 't:' .. w, string.format('%d', -delta))
-    end
+local flat = redis.call('HGETALL', meta_key)
+local unknown = {}
+for i = 1, #flat, 2 do
+  local kind, w = string.match(flat[i], '^(%a+):(%d+)$')
+  -- still counted by this window: give the difference back
+  if kind == 'lo' and delta > 0 and score > tonumber(flat[i + 1]) then
+    redis.call('HINCRBY', meta_key, 't:' .. w, string.format('%d', -delta))
+  end
+  -- the window's oldest event leaves the log: the next call looks its successor up
+  if kind == 'f' and new_cost == 0 and tonumber(flat[i + 1]) == score then
+    unknown[#unknown + 1] = flat[i]
   end
 end
+if #unknown > 0 then redis.call('HDEL', meta_key, unpack(unknown)) end
 
 if new_cost == 0 then
   redis.call('ZREM', log_key, request_id)

@@ -3,12 +3,16 @@
 The ledger keeps a running total per window instead of summing the window: each call moves
 every window's cursor up to its new boundary and subtracts only the events that crossed it,
 so each event is subtracted once per window and a call costs O(log N + expired events).
+A call where no event leaves any window reads no range of the log.
 
 KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
 KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)
 KEYS[3]  meta        hash:  clk    latest clock seen, ms (the key's clock never runs back)
                             t:<W>  tokens counted in the window of W ms
                             lo:<W> cursor, ms: every event scored <= lo:<W> is out of t:<W>
+                            f:<W>  score of the oldest event t:<W> counts, ms ('-': none);
+                                   a cursor that stays below it passes no event, so most
+                                   calls read no range; missing = unknown (looked up)
 ARGV[1]  now_ms      caller's clock, ms since the epoch (integer)
 ARGV[2]  request_id  the charge's id (printable, at most 256 characters)
 ARGV[3]  cost        tokens to charge (integer >= 1)
@@ -47,6 +51,8 @@ end
 
 -- BEGIN shared ledger code (identical in budget_reserve.lua and budget_usage.lua) --------
 local BATCH = 500 -- ids per ZRANGE/HMGET/HDEL call (stays far below Lua's unpack limit)
+local PEEK = '3'  -- events read past a cursor that moves: those leaving, then the first staying
+local NONE = math.huge -- first event of a window that counts none (f:<W> = '-')
 
 -- Integers as plain digits: Lua would print large numbers as 1.7e+12.
 local function int(x) return string.format('%d', x) end
@@ -65,7 +71,7 @@ end
 -- Ids of the events scored in (lo, hi], oldest first. One call when fewer than BATCH; a
 -- long pause continues by rank, so a large range is never re-walked from its start.
 local function ids_between(lo, hi)
-  local ids = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(lo), int(hi), 'LIMIT', 0, BATCH)
+  local ids = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(lo), int(hi), 'LIMIT', '0', BATCH)
   if #ids < BATCH then return ids end
   local last = count_upto(hi) - 1
   for start = count_upto(lo) + BATCH, last, BATCH do
@@ -86,22 +92,56 @@ local function sum_costs(ids)
   return total
 end
 
--- meta as {clk = ms, windows = {[W] = {total = tokens, lo = ms}}}; half-known windows dropped.
+-- meta as {clk = ms, windows = {[W] = {total = tokens, lo = ms, first = ms or NONE or nil,
+-- was = the same as stored}}}; half-known windows dropped. first (f:<W>) is the score of the oldest event the window
+-- counts: no event lies between the cursor and it, so a cursor that stays below it passes
+-- no event. nil when unknown (a refund removed that event, or a new window); NONE is
+-- trusted only with a zero total.
 local function load_meta()
   local flat = redis.call('HGETALL', meta_key)
   local m = {clk = 0, windows = {}}
-  local totals, cursors = {}, {}
+  local totals, cursors, firsts = {}, {}, {}
   for i = 1, #flat, 2 do
-    local field, value = flat[i], tonumber(flat[i + 1])
-    local kind, w = string.match(field, '^(%a+):(%d+)$')
-    if field == 'clk' then m.clk = value
-    elseif kind == 't' then totals[tonumber(w)] = value
-    elseif kind == 'lo' then cursors[tonumber(w)] = value end
+    local field, value = flat[i], flat[i + 1]
+    if field == 'clk' then m.clk = tonumber(value)
+    else
+      local kind, w = string.match(field, '^(%a+):(%d+)$')
+      if kind == 't' then totals[w] = tonumber(value)
+      elseif kind == 'lo' then cursors[w] = tonumber(value)
+      elseif kind == 'f' then firsts[w] = value == '-' and NONE or tonumber(value) end
+    end
   end
   for w, total in pairs(totals) do
-    if cursors[w] then m.windows[w] = {total = total, lo = cursors[w]} end
+    if cursors[w] then
+      local first = firsts[w]
+      if first == NONE and total ~= 0 then first = nil end
+      local stored = {total = total, lo = cursors[w], first = firsts[w]}
+      m.windows[tonumber(w)] = {total = total, lo = cursors[w], first = first, was = stored}
+    end
   end
   return m
+end
+
+-- Ids of the events in (s.lo, b], which leave window s as its cursor moves to b; learns
+-- s.first on the way. One call unless more than PEEK events leave at once.
+local function leaving(s, b)
+  local items = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(s.lo), '+inf', 'WITHSCORES',
+                           'LIMIT', '0', PEEK)
+  local ids = {}
+  for i = 1, #items, 2 do
+    local score = tonumber(items[i + 1])
+    if score > b then
+      s.first = score
+      return ids
+    end
+    ids[#ids + 1] = items[i]
+  end
+  if #items < 2 * tonumber(PEEK) then
+    s.first = NONE
+    return ids
+  end
+  s.first = nil
+  return ids_between(s.lo, b)
 end
 
 -- Bring every window the user has (and every window of this call) up to `now`, then drop the
@@ -124,30 +164,47 @@ local function advance(m, now, wanted)
   for _, w in ipairs(lengths) do
     local s, b = m.windows[w], now - w
     if s.lo < b then
-      -- events in (lo, b] have left the window since the last call: subtract each once
-      local gone = ids_between(s.lo, b)
-      s.total = s.total - sum_costs(gone)
-      s.lo = b
-      if w == longest and #gone > 0 then
-        -- they have left every window (each cursor is past them): delete them
-        for start = 1, #gone, BATCH do
-          redis.call('HDEL', ev_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
+      if not (s.first and s.first > b) then
+        -- events in (lo, b] have left the window since the last call: subtract each once
+        local gone = leaving(s, b)
+        s.total = s.total - sum_costs(gone)
+        if w == longest and #gone > 0 then
+          -- they have left every window (each cursor is past them): delete them
+          for start = 1, #gone, BATCH do
+            redis.call('HDEL', ev_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
+          end
+          redis.call('ZREMRANGEBYSCORE', log_key, '-inf', int(b))
         end
-        redis.call('ZREMRANGEBYSCORE', log_key, '-inf', int(b))
       end
+      s.lo = b
     end
   end
   return longest
 end
 
--- Store the clock, totals and cursors; every key lives margin_ms past the longest window.
+-- Store the clock and what changed of each window's total, cursor and first event (looked
+-- up if unknown); every key lives margin_ms past the longest window.
 local function save_meta(m, now, longest)
   local fields = {'clk', int(now)}
   for w, s in pairs(m.windows) do
-    fields[#fields + 1] = 't:' .. int(w)
-    fields[#fields + 1] = int(s.total)
-    fields[#fields + 1] = 'lo:' .. int(w)
-    fields[#fields + 1] = int(s.lo)
+    if not s.first then
+      local first = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(s.lo), '+inf',
+                               'WITHSCORES', 'LIMIT', '0', '1')
+      s.first = #first == 0 and NONE or tonumber(first[2])
+    end
+    local tag, was = int(w), s.was or {}
+    if s.total ~= was.total then
+      fields[#fields + 1] = 't:' .. tag
+      fields[#fields + 1] = int(s.total)
+    end
+    if s.lo ~= was.lo then
+      fields[#fields + 1] = 'lo:' .. tag
+      fields[#fields + 1] = int(s.lo)
+    end
+    if s.first ~= was.first then
+      fields[#fields + 1] = 'f:' .. tag
+      fields[#fields + 1] = s.first == NONE and '-' or int(s.first)
+    end
   end
   redis.call('HSET', meta_key, unpack(fields))
   local ttl = int(longest + margin_ms)
@@ -156,12 +213,11 @@ local function save_meta(m, now, longest)
   redis.call('PEXPIRE', meta_key, ttl)
 end
 
--- When the oldest event still inside the window leaves it (now when the window is empty).
-local function resets_at(now, w)
-  local first = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(now - w), '+inf',
-                           'WITHSCORES', 'LIMIT', 0, 1)
-  if #first == 0 then return now end
-  return tonumber(first[2]) + w
+-- When the oldest event window w counts leaves it (now when it counts none); after save_meta.
+local function resets_at(m, now, w)
+  local first = m.windows[w].first
+  if first == NONE then return now end
+  return first + w
 end
 -- END shared ledger code ------------------------------------------------------------------
 
@@ -203,33 +259,42 @@ local function reply(status, retry, binding)
   local out = {status, retry, binding}
   for _, w in ipairs(call_windows) do
     out[#out + 1] = m.windows[w].total
-    out[#out + 1] = resets_at(now, w)
+    out[#out + 1] = resets_at(m, now, w)
   end
   return out
 end
 
-if redis.call('ZSCORE', log_key, request_id) then
-  save_meta(m, now, longest)
-  local rec = redis.call('HGET', ev_key, request_id)
-  local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
-  return reply(same_call and 1 or 2, 0, 0)
+local fits = true
+for i, w in ipairs(call_windows) do
+  if m.windows[w].total + cost > limits[i] then fits = false end
 end
 
-local retry, binding = 0, 0
-for i, w in ipairs(call_windows) do
-  local total = m.windows[w].total
-  if total + cost > limits[i] then
-    local wait = wait_ms(now, w, total + cost - limits[i])
-    if wait > retry then retry, binding = wait, i end
+if fits then
+  -- NX: an id already in the log keeps its charge (a duplicate, answered below)
+  if redis.call('ZADD', log_key, 'NX', int(now), request_id) == 1 then
+    redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
+    for _, s in pairs(m.windows) do
+      s.total = s.total + cost
+      if s.first == NONE then s.first = now end
+    end
+    save_meta(m, now, longest)
+    return reply(1, 0, 0)
   end
-end
-if retry > 0 then
+elseif not redis.call('ZSCORE', log_key, request_id) then
+  local retry, binding = 0, 0
+  for i, w in ipairs(call_windows) do
+    local total = m.windows[w].total
+    if total + cost > limits[i] then
+      local wait = wait_ms(now, w, total + cost - limits[i])
+      if wait > retry then retry, binding = wait, i end
+    end
+  end
   save_meta(m, now, longest)
   return reply(0, retry, binding)
 end
 
-redis.call('ZADD', log_key, int(now), request_id)
-redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
-for _, s in pairs(m.windows) do s.total = s.total + cost end
+-- the id is already charged: by this very call (a client re-send) or by another one
 save_meta(m, now, longest)
-return reply(1, 0, 0)
+local rec = redis.call('HGET', ev_key, request_id)
+local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
+return reply(same_call and 1 or 2, 0, 0)

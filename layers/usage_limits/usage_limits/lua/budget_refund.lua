@@ -8,7 +8,7 @@ Only the given user's keys are touched, so another user's request id is never fo
 
 KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
 KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)
-KEYS[3]  meta        hash: clk (ms), t:<W> (tokens), lo:<W> (ms), f:<W> (ms or '-');
+KEYS[3]  meta        hash: clk (ms), t:<W> (tokens), lo:<W> (ms), f:<W> (ms or -1);
                      see budget_reserve.lua
 ARGV[1]  request_id  the charge's id
 ARGV[2]  new_cost    tokens the request really used (integer >= 0; 0 = refund it all)

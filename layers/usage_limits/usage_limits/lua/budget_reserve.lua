@@ -10,7 +10,7 @@ KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in token
 KEYS[3]  meta        hash:  clk    latest clock seen, ms (the key's clock never runs back)
                             t:<W>  tokens counted in the window of W ms
                             lo:<W> cursor, ms: every event scored <= lo:<W> is out of t:<W>
-                            f:<W>  score of the oldest event t:<W> counts, ms ('-': none);
+                            f:<W>  score of the oldest event t:<W> counts, ms (-1: none);
                                    a cursor that stays below it passes no event, so most
                                    calls read no range; missing = unknown (looked up)
 ARGV[1]  now_ms      caller's clock, ms since the epoch (integer)
@@ -52,7 +52,7 @@ end
 -- BEGIN shared ledger code (identical in budget_reserve.lua and budget_usage.lua) --------
 local BATCH = 500 -- ids per ZRANGE/HMGET/HDEL call (stays far below Lua's unpack limit)
 local PEEK = '3'  -- events read past a cursor that moves: those leaving, then the first staying
-local NONE = math.huge -- first event of a window that counts none (f:<W> = '-')
+local NONE = math.huge -- first event of a window that counts none (f:<W> = -1)
 
 -- Integers as plain digits: Lua would print large numbers as 1.7e+12.
 local function int(x) return string.format('%d', x) end
@@ -108,7 +108,7 @@ local function load_meta()
       local kind, w = string.match(field, '^(%a+):(%d+)$')
       if kind == 't' then totals[w] = tonumber(value)
       elseif kind == 'lo' then cursors[w] = tonumber(value)
-      elseif kind == 'f' then firsts[w] = value == '-' and NONE or tonumber(value) end
+      elseif kind == 'f' then firsts[w] = value == '-1' and NONE or tonumber(value) end
     end
   end
   for w, total in pairs(totals) do
@@ -203,7 +203,7 @@ local function save_meta(m, now, longest)
     end
     if s.first ~= was.first then
       fields[#fields + 1] = 'f:' .. tag
-      fields[#fields + 1] = s.first == NONE and '-' or int(s.first)
+      fields[#fields + 1] = s.first == NONE and '-1' or int(s.first)
     end
   end
   redis.call('HSET', meta_key, unpack(fields))

@@ -6,7 +6,7 @@ usage also retires expired events. A user with no keys gets zeros and nothing is
 
 KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
 KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)
-KEYS[3]  meta        hash: clk (ms), t:<W> (tokens), lo:<W> (ms), f:<W> (ms or '-');
+KEYS[3]  meta        hash: clk (ms), t:<W> (tokens), lo:<W> (ms), f:<W> (ms or -1);
                      see budget_reserve.lua
 ARGV[1]  now_ms      caller's clock, ms since the epoch (integer)
 ARGV[2]  max_events  how many of the most recent events to return (integer >= 0)
@@ -34,7 +34,7 @@ for i = 4, #ARGV do call_windows[#call_windows + 1] = tonumber(ARGV[i]) end
 -- BEGIN shared ledger code (identical in budget_reserve.lua and budget_usage.lua) --------
 local BATCH = 500 -- ids per ZRANGE/HMGET/HDEL call (stays far below Lua's unpack limit)
 local PEEK = '3'  -- events read past a cursor that moves: those leaving, then the first staying
-local NONE = math.huge -- first event of a window that counts none (f:<W> = '-')
+local NONE = math.huge -- first event of a window that counts none (f:<W> = -1)
 
 -- Integers as plain digits: Lua would print large numbers as 1.7e+12.
 local function int(x) return string.format('%d', x) end
@@ -90,7 +90,7 @@ local function load_meta()
       local kind, w = string.match(field, '^(%a+):(%d+)$')
       if kind == 't' then totals[w] = tonumber(value)
       elseif kind == 'lo' then cursors[w] = tonumber(value)
-      elseif kind == 'f' then firsts[w] = value == '-' and NONE or tonumber(value) end
+      elseif kind == 'f' then firsts[w] = value == '-1' and NONE or tonumber(value) end
     end
   end
   for w, total in pairs(totals) do
@@ -185,7 +185,7 @@ local function save_meta(m, now, longest)
     end
     if s.first ~= was.first then
       fields[#fields + 1] = 'f:' .. tag
-      fields[#fields + 1] = s.first == NONE and '-' or int(s.first)
+      fields[#fields + 1] = s.first == NONE and '-1' or int(s.first)
     end
   end
   redis.call('HSET', meta_key, unpack(fields))

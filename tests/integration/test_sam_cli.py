@@ -135,9 +135,10 @@ def test_built_function_imports_with_only_its_layers(logical_id: str, built: Pat
                                                      host_deps: Path) -> None:
     """Each built function imports its handler from its own code and the layers alone."""
     env = {"ATTO_ENV": "dev", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
-    out = run_isolated("import app; print(type(app.handler).__name__)",
+    out = run_isolated("import app; print(app.handler.__qualname__, "
+                       "type(app.app).__name__)",
                        lambda_path(built, host_deps, logical_id), env)
-    assert out.strip() == "Mangum"
+    assert out.strip() == "lambda_handler.<locals>.handler FastAPI"
 
 
 HANDLER_CALL = """

@@ -308,3 +308,43 @@ def test_redis_down_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
         server.close()
         settings.cache_clear()
         runtime.set_redis(None)
+
+
+def test_refund_missed_while_redis_is_down_lands_with_the_next_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refund that fails because Redis went down is retried before the environment's next request."""
+    from usage_limits.web import refunds
+
+    server = RedisServer(extra=["--appendonly", "yes", "--appendfsync", "always"]).start()
+    monkeypatch.setenv("REDIS_URL", server.url)
+    monkeypatch.setenv("ATTO_BUDGET", "20/1h")
+    settings.cache_clear()
+    runtime.set_redis(None)
+    refunds.clear()
+    app = create_app("refund retry")
+
+    @app.post("/fails-after-outage", dependencies=[Depends(require_tokens(cost=5))])
+    async def fails_after_outage() -> dict[str, Any]:
+        server.stop(kill=True)  # Redis dies while the request is being served
+        raise RuntimeError("upstream broke too")
+
+    @app.get("/used")
+    async def used_route(user: str = Depends(current_user)) -> dict[str, int]:
+        report = await get_budget(settings().plan).usage(user)
+        return {"used": report.windows[0].used}
+
+    user = uuid.uuid4().hex
+    try:
+        with lambda_loop():
+            handler = Mangum(app, lifespan="off")
+            assert invoke(handler, http_event("POST", "/fails-after-outage", body={},
+                                              user=user)).status == 500
+            assert refunds.pending() == 1
+            server.start()  # same port, same data (append-only file)
+            assert invoke(handler, http_event("GET", "/used", user=user)).body["used"] == 0
+            assert refunds.pending() == 0
+    finally:
+        refunds.clear()
+        server.close()
+        settings.cache_clear()
+        runtime.set_redis(None)

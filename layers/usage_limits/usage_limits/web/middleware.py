@@ -23,7 +23,7 @@ from starlette.requests import Request
 from ..deadline import deadline_scope, request_budget_s
 from ..exceptions import LimiterUnavailable
 from . import idempotency as idem
-from . import identity
+from . import identity, refunds
 from . import observability as obs
 from .errors import ApiError, error_response, retry_after_header
 from .guard import STATE_KEY, RequestState
@@ -63,6 +63,8 @@ class UsageLimitsMiddleware:
         log = obs.logger()
         log.append_keys(request_id=_request_id(scope), route=f"{scope.get('method')} {scope.get('path')}",
                         user=None)
+        if refunds.pending():
+            await refunds.retry()
         status = 0
         response_headers: list[tuple[bytes, bytes]] = []
         response_body: list[bytes] = []
@@ -102,8 +104,9 @@ class UsageLimitsMiddleware:
                     if await charge.refund():
                         refunded = cost
                         obs.count(obs.TOKENS_REFUNDED, cost)
-                except Exception:  # the response is already out; the charge stays
-                    log.exception("refund failed; the charge stays until it leaves its window")
+                except Exception:  # the response is already out: retry before the next request
+                    log.exception("refund failed; kept to retry before the next request")
+                    refunds.keep(charge, max(seconds for _, seconds in settings().plan))
             if record is not None:
                 try:
                     if 200 <= status < 300:

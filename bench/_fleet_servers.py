@@ -143,3 +143,36 @@ class FleetRedis:
                 return time.monotonic() - start
             time.sleep(0.05)
         raise RuntimeError(f"no replica took over within {timeout_s} s")
+
+
+class ExternalRedis:
+    """A Redis the harness does not run (a staging cache): only read and written, never
+    restarted, flushed or slowed. Connection settings come from this shell's ``REDIS_*``
+    variables (``REDIS_CLUSTER``, ``REDIS_AUTH``, ``REDIS_USER``, ...), as the functions
+    read them."""
+
+    def __init__(self, url: str) -> None:
+        import os
+
+        self.url = url
+        self._env = {k: v for k, v in os.environ.items() if k.startswith(("REDIS_", "ELASTICACHE_", "AWS_"))}
+        self._env["REDIS_URL"] = url
+        self.cluster = self._env.get("REDIS_CLUSTER", "").lower() == "true"
+        self.nodes: list[RedisServer] = []
+
+    def __enter__(self) -> ExternalRedis:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def env(self) -> dict[str, str]:
+        return dict(self._env)
+
+    def client(self) -> Any:
+        from usage_limits.connection import redis_from_env
+
+        return redis_from_env(self._env, sync=True)
+
+    def masters(self) -> list[RedisServer]:
+        return []

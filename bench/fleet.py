@@ -31,7 +31,7 @@ for _p in (HERE, ROOT, ROOT / "layers" / "usage_limits", ROOT / "layers" / "prov
 import _fleet_check as check  # noqa: E402
 import _fleet_faults as faults  # noqa: E402
 import _fleet_worker as worker  # noqa: E402
-from _fleet_servers import FleetRedis  # noqa: E402
+from _fleet_servers import ExternalRedis, FleetRedis  # noqa: E402
 
 from local.emulator import EmulatorProcess  # noqa: E402
 from usage_limits.web.settings import parse_plan  # noqa: E402
@@ -58,6 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lambda-timeout", type=float, default=None,
                     help="each invocation's Lambda timeout, s (default 6; quick 5)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--jitter-ms", type=float, default=50.0,
+                    help="each provider's <P>_JITTER_MS: how late a call may leave after its "
+                         "slot and still count within the limit. Many processes on few cores "
+                         "are delayed by the OS for tens of ms (default 50; Lambda: 15)")
+    ap.add_argument("--redis-url", default=None,
+                    help="use this Redis (e.g. a staging cache) instead of starting one; the "
+                         "REDIS_* variables of this shell (REDIS_CLUSTER, REDIS_AUTH, ...) are "
+                         "passed on; only upstream faults are allowed")
     ap.add_argument("--out", default=str(HERE / "out" / "fleet"))
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
@@ -73,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         unknown = set(chosen) - set(faults.FAULTS)
         if unknown:
             ap.error(f"unknown fault(s): {', '.join(sorted(unknown))}")
+    if args.redis_url:
+        own_redis = {"redis-restart", "script-flush", "redis-slow", "failover"}
+        if args.faults == "all":
+            chosen = [f for f in chosen if f not in own_redis]
+        elif own_redis & set(chosen):
+            ap.error("Redis faults need a Redis this harness runs: "
+                     + ", ".join(sorted(own_redis & set(chosen))))
     args.fault_list = chosen
     if args.budget is None:
         short = max(4, round(args.duration / 3))
@@ -98,6 +113,7 @@ def function_env(redis: FleetRedis, emu: EmulatorProcess,
     for family, rate in PROVIDERS.items():
         env[f"{family.upper()}_RATE"] = rate
         env[f"{family.upper()}_BURST"] = "1"  # then no window of per_s holds more than rate
+        env[f"{family.upper()}_JITTER_MS"] = f"{args.jitter_ms:g}"
     return env
 
 
@@ -109,9 +125,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = parse_plan(args.budget)
     limits = provider_limits()
     lease_s = args.lambda_timeout + 1.0
-    users = [f"user-{i}" for i in range(args.users)]
+    # Against a shared Redis, this run's users are its own: the checks read all their keys.
+    prefix = f"fleet-{int(time.time())}-" if args.redis_url else ""
+    users = [f"{prefix}user-{i}" for i in range(args.users)]
     emu_families = {f: {"rate": r, "latency_ms": 20, "jitter_ms": 40} for f, r in PROVIDERS.items()}
-    with FleetRedis(cluster=args.cluster) as redis, \
+    redis_cm = (ExternalRedis(args.redis_url) if args.redis_url
+                else FleetRedis(cluster=args.cluster))
+    with redis_cm as redis, \
             EmulatorProcess(seed=args.seed, failure_rate=FAILURE_RATE,
                             families=emu_families) as emu:
         env = function_env(redis, emu, args)

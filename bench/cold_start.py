@@ -1,0 +1,281 @@
+"""Cold start of every handler: lazy (as written) against an eager variant of the same code.
+
+For each function of template.yaml, the median over fresh interpreters of "import the
+handler module, then answer its first event" (``events/<dir>.json``), side by side with
+the eager variant (``bench/_eager_variant.py``: FastAPI, Powertools Logger, Metrics and
+Tracer, and a boto3 Secrets Manager client created at import, then the same ``app``).
+Runs are interleaved (lazy, eager, then eager, lazy, ...) so both see the same machine,
+and each handler gets one untimed run per variant first to warm the disk cache.
+
+    .venv/bin/python bench/cold_start.py [--repeats 7] [--quick] [--tracing] [--secrets]
+
+What each run is, and why the comparison is fair:
+
+- One fresh ``python -c`` per run, cwd and ``sys.path[0]`` the function's code directory
+  (Lambda's task root), the layers on ``PYTHONPATH``; the clock starts after the event is
+  read (Lambda's runtime has read it too) and stops when the handler returns.
+- The environment is the function's own from template.yaml, plus what ``make invoke``
+  sets: local mode, a private redis-server (standalone) and one emulator process for every
+  provider, provider keys in environment variables, ``PAGES_ALLOW_PRIVATE_HOSTS`` for job
+  extraction. Metrics are on (``POWERTOOLS_METRICS_DISABLED`` unset) and ``LOG_LEVEL`` is
+  the template's INFO, so the EMF and log lines are written as in Lambda.
+- Both variants run as in Lambda: ``AWS_LAMBDA_FUNCTION_NAME``, ``LAMBDA_TASK_ROOT``,
+  ``AWS_REGION`` and (fake) credentials are set.
+- Tracing is OFF in both by default (``POWERTOOLS_TRACE_DISABLED=true``), as deployed:
+  template.yaml turns on no X-Ray tracing. The eager variant still constructs its Tracer
+  (an eager handler does, whatever the setting); the lazy app then skips it. With
+  ``--tracing`` both run with tracing on (``_X_AMZN_TRACE_ID`` set, as Lambda does with
+  active tracing): the lazy app then creates its Tracer on the first request, so that
+  cost is in its first invocation too.
+- ``--secrets``: provider keys come from Secrets Manager, as in the cloud (``*_SECRET_ARN``
+  from the template, served by a local stub via ``AWS_ENDPOINT_URL_SECRETS_MANAGER``), so
+  the lazy variant pays for boto3 on its first secret read just as it would in Lambda.
+- The redis-server is flushed before every run: each run sees an empty budget and
+  throttle, as a new user would, and never waits for a provider slot.
+- Job extraction's event names a page on the internet; the bench points its ``url`` at
+  the emulator's job page, so the run fetches a page and calls the model as in the cloud.
+- Time spent waiting for a provider slot is not cold start but is part of the first
+  invocation; it is read from the request's metrics line (``ProviderWaitMs``) and shown,
+  and the last column compares the two variants without it.
+- A row shows its statuses when a run answered anything but 200.
+
+Needs ``aws-xray-sdk`` in the venv (the eager Tracer imports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+LAYERS = [ROOT / "layers" / "usage_limits", ROOT / "layers" / "providers"]
+sys.path[:0] = [str(ROOT)]
+
+#: The child: read the event, then time import + first invocation (printed as one line).
+CHILD = r"""
+import importlib, json, sys, time
+
+class Context:
+    function_name, aws_request_id, memory_limit_in_mb = sys.argv[3], "cold-start", 512
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:" + sys.argv[3]
+
+    def __init__(self, timeout_s):
+        self.deadline = time.monotonic() + timeout_s
+
+    def get_remaining_time_in_millis(self):
+        return max(0, int((self.deadline - time.monotonic()) * 1000))
+
+with open(sys.argv[1], encoding="utf-8") as f:
+    event = json.load(f)
+start = time.perf_counter()
+module = importlib.import_module(sys.argv[2])
+imported = time.perf_counter()
+result = module.handler(event, Context(float(sys.argv[4])))
+done = time.perf_counter()
+print("COLD-START " + json.dumps({"import_ms": (imported - start) * 1000,
+                                  "total_ms": (done - start) * 1000,
+                                  "status": result["statusCode"]}), flush=True)
+"""
+
+#: Secret values served by the stub, by the environment variable that names the secret.
+SECRETS = {"LLM_SECRET_ARN": "local-key", "SEARCH_SECRET_ARN": "local-key",
+           "SALARY_SECRET_ARN": json.dumps({"app_id": "local-id", "app_key": "local-key"})}
+#: Environment prefixes of the parent that never reach a child (the child's are set here).
+OWN_PREFIXES = ("ATTO_", "LLM_", "SALARY_", "SEARCH_", "PAGES_", "REDIS_", "POWERTOOLS_",
+                "AWS_", "LAMBDA_", "_X_AMZN", "ELASTICACHE_", "LOG_LEVEL", "IDEMPOTENCY_")
+
+
+class SecretsStub(BaseHTTPRequestHandler):
+    """Secrets Manager's GetSecretValue for the ARNs in ``SECRETS`` (JSON 1.1 protocol)."""
+
+    values: dict[str, str] = {}
+
+    def do_POST(self) -> None:  # noqa: N802  (http.server's naming)
+        request = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        arn = request.get("SecretId", "")
+        if arn not in self.values:
+            self._answer(400, {"__type": "ResourceNotFoundException", "message": "no secret"})
+            return
+        self._answer(200, {"ARN": arn, "Name": arn.rsplit(":", 1)[-1], "VersionId": "v1",
+                           "SecretString": self.values[arn], "VersionStages": ["AWSCURRENT"],
+                           "CreatedDate": 1.7e9})
+
+    def _answer(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/x-amz-json-1.1")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def secret_variables(logical_id: str) -> list[str]:
+    """The ``*_SECRET_ARN`` variables template.yaml gives this function."""
+    from local.template import load_template
+
+    props = load_template()["Resources"][logical_id]["Properties"]
+    variables = (props.get("Environment") or {}).get("Variables") or {}
+    return sorted(name for name in variables if name.endswith("_SECRET_ARN"))
+
+
+def child_env(spec: Any, redis_url: str, emulator: Any, *, tracing: bool,
+              secrets_url: str | None) -> dict[str, str]:
+    """The function's template environment with the local stack's settings on top."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(OWN_PREFIXES)}
+    env.update(spec.env)
+    env.update({
+        "PYTHONPATH": os.pathsep.join([str(BENCH), *map(str, LAYERS)]),
+        "ATTO_ENV": "local", "REDIS_URL": redis_url, "REDIS_CLUSTER": "false",
+        "REDIS_AUTH": "none",
+        "LLM_BASE_URL": emulator.openai_base_url, "SALARY_BASE_URL": emulator.adzuna_base_url,
+        "SEARCH_BASE_URL": emulator.tavily_base_url, "PAGES_ALLOW_PRIVATE_HOSTS": "127.0.0.1",
+        "AWS_LAMBDA_FUNCTION_NAME": spec.logical_id, "LAMBDA_TASK_ROOT": str(ROOT / spec.code_dir),
+        "AWS_LAMBDA_FUNCTION_MEMORY_SIZE": "512", "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "cold-start",
+        "AWS_SECRET_ACCESS_KEY": "cold-start", "AWS_SESSION_TOKEN": "cold-start",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    })
+    if tracing:
+        env["_X_AMZN_TRACE_ID"] = ("Root=1-5759e988-bd862e3fe1be46a994272793;"
+                                   "Parent=53995c3f42cd8ad8;Sampled=1")
+    else:
+        env["POWERTOOLS_TRACE_DISABLED"] = "true"
+    if secrets_url is None:
+        env.update({"LLM_API_KEY": "local-key", "SALARY_APP_ID": "local-id",
+                    "SALARY_APP_KEY": "local-key", "SEARCH_API_KEY": "local-key"})
+    else:
+        env["AWS_ENDPOINT_URL_SECRETS_MANAGER"] = secrets_url
+        for name in secret_variables(spec.logical_id):
+            arn = f"arn:aws:secretsmanager:us-east-1:123456789012:secret:{name.lower()}"
+            env[name] = arn
+            SecretsStub.values[arn] = SECRETS[name]
+    return env
+
+
+def event_file(spec: Any, emulator: Any, folder: Path) -> Path:
+    """The function's event, with job extraction's page moved to the emulator."""
+    name = Path(spec.code_dir).name
+    event = json.loads((ROOT / "events" / f"{name}.json").read_text(encoding="utf-8"))
+    if name == "job_extraction":
+        body = json.loads(event["body"])
+        body["url"] = emulator.job_page_url()
+        event["body"] = json.dumps(body)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(event), encoding="utf-8")
+    return path
+
+
+def run_once(spec: Any, module: str, event: Path, env: dict[str, str]) -> dict[str, float]:
+    """One fresh interpreter: import ``module`` and answer ``event``."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(event), module, spec.logical_id, str(spec.timeout)],
+        cwd=ROOT / spec.code_dir, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("COLD-START ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{spec.logical_id} ({module}) failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, float] = json.loads(lines[-1].removeprefix("COLD-START "))
+    result["wait_ms"] = provider_wait_ms(proc.stdout)
+    return result
+
+
+def provider_wait_ms(stdout: str) -> float:
+    """Time spent waiting for provider slots, from the request's EMF metrics line."""
+    waited = 0.0
+    for line in stdout.splitlines():
+        if line.startswith("{") and '"ProviderWaitMs"' in line:
+            waits = json.loads(line)["ProviderWaitMs"]
+            waited += sum(waits) if isinstance(waits, list) else float(waits)
+    return waited
+
+
+def bench(repeats: int, *, tracing: bool, secrets: bool) -> list[dict[str, Any]]:
+    from local.emulator import EmulatorProcess
+    from local.redis_servers import RedisServer
+    from local.template import functions
+
+    rows = []
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), SecretsStub) if secrets else None
+    if stub is not None:
+        threading.Thread(target=stub.serve_forever, daemon=True).start()
+    secrets_url = f"http://127.0.0.1:{stub.server_port}" if stub is not None else None
+    try:
+        with RedisServer() as server, EmulatorProcess() as emulator, \
+                tempfile.TemporaryDirectory() as tmp:
+            for spec in functions():
+                if not (ROOT / spec.code_dir / "app.py").exists():
+                    continue
+                env = child_env(spec, server.url, emulator, tracing=tracing,
+                                secrets_url=secrets_url)
+                event = event_file(spec, emulator, Path(tmp))
+                variants = {"lazy": spec.handler.partition(".")[0], "eager": "_eager_variant"}
+                samples: dict[str, list[dict[str, float]]] = {"lazy": [], "eager": []}
+                for i in range(repeats + 1):
+                    order = ("lazy", "eager") if i % 2 == 0 else ("eager", "lazy")
+                    for variant in order:
+                        server.cli("FLUSHALL")
+                        result = run_once(spec, variants[variant], event, env)
+                        if i:  # the first round only warms the disk cache
+                            samples[variant].append(result)
+                rows.append({"handler": Path(spec.code_dir).name, **{
+                    f"{variant}_{key}": statistics.median(s[key] for s in samples[variant])
+                    for variant in samples for key in ("import_ms", "total_ms", "wait_ms")},
+                    "status": sorted({int(s["status"]) for v in samples.values() for s in v})})
+    finally:
+        if stub is not None:
+            stub.shutdown()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per variant")
+    parser.add_argument("--quick", action="store_true", help="3 timed runs per variant")
+    parser.add_argument("--tracing", action="store_true",
+                        help="tracing on in both variants (default: off in both, as deployed)")
+    parser.add_argument("--secrets", action="store_true",
+                        help="provider keys from a Secrets Manager stub, as in the cloud")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else args.repeats
+    try:
+        import aws_xray_sdk  # noqa: F401
+    except ImportError:
+        sys.exit("the eager variant's Tracer needs aws-xray-sdk: "
+                 ".venv/bin/pip install aws-xray-sdk")
+    rows = bench(repeats, tracing=args.tracing, secrets=args.secrets)
+    mode = (f"tracing {'on' if args.tracing else 'off'} in both, provider keys from "
+            f"{'Secrets Manager (stub)' if args.secrets else 'environment variables'}")
+    print(f"\nCold start: import + first invocation, median of {repeats} fresh interpreters "
+          f"({mode})\n")
+    print("| handler | lazy import ms | lazy import + 1st call ms | eager import ms "
+          "| eager import + 1st call ms | lazy / eager | of which slot waits, lazy / eager ms "
+          "| lazy / eager without waits |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ratio = r["lazy_total_ms"] / r["eager_total_ms"]
+        bare = ((r["lazy_total_ms"] - r["lazy_wait_ms"])
+                / (r["eager_total_ms"] - r["eager_wait_ms"]))
+        status = "" if r["status"] == [200] else f" (status {r['status']})"
+        print(f"| {r['handler']}{status} | {r['lazy_import_ms']:.0f} | {r['lazy_total_ms']:.0f} "
+              f"| {r['eager_import_ms']:.0f} | {r['eager_total_ms']:.0f} | {ratio:.2f}x "
+              f"| {r['lazy_wait_ms']:.0f} / {r['eager_wait_ms']:.0f} | {bare:.2f}x |")
+    lazy = statistics.median(r["lazy_total_ms"] for r in rows)
+    eager = statistics.median(r["eager_total_ms"] for r in rows)
+    print(f"\nMedian over handlers: lazy {lazy:.0f} ms, eager {eager:.0f} ms, "
+          f"{lazy / eager:.2f}x (target <= 0.70x). Slot waits are the provider throttle's "
+          "(ProviderWaitMs of the request's metrics line).")
+
+if __name__ == "__main__":
+    main()

@@ -6,10 +6,13 @@ created at module level, and only then is the function's own ``app`` imported. T
 function's code is the same as in the lazy variant; only this preamble differs.
 
 Run with the function's code directory first on ``sys.path`` (as Lambda's task root is),
-so that ``app`` is that function's ``app.py``. Tracer() needs ``aws-xray-sdk``.
+so that ``app`` is that function's ``app.py``; every attribute of ``app`` (the handler
+named in template.yaml) is reachable from here. Tracer() needs ``aws-xray-sdk``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import boto3
 import fastapi  # noqa: F401  (imported for its cost, as an eager handler would)
@@ -20,6 +23,9 @@ metrics = Metrics()
 tracer = Tracer()
 secrets = boto3.client("secretsmanager", region_name="us-east-1")
 
-from app import handler  # noqa: E402  (the function's own module, after the preamble)
+import app  # noqa: E402  (the function's own module, after the preamble)
 
-__all__ = ["handler"]
+
+def __getattr__(name: str) -> Any:
+    """``_eager_variant.handler`` is ``app.handler`` (whatever the template names)."""
+    return getattr(app, name)

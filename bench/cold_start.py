@@ -80,7 +80,7 @@ with open(sys.argv[1], encoding="utf-8") as f:
 start = time.perf_counter()
 module = importlib.import_module(sys.argv[2])
 imported = time.perf_counter()
-result = module.handler(event, Context(float(sys.argv[4])))
+result = getattr(module, sys.argv[5])(event, Context(float(sys.argv[4])))
 done = time.perf_counter()
 print("COLD-START " + json.dumps({"import_ms": (imported - start) * 1000,
                                   "total_ms": (done - start) * 1000,
@@ -179,9 +179,11 @@ def event_file(spec: Any, emulator: Any, folder: Path) -> Path:
 
 
 def run_once(spec: Any, module: str, event: Path, env: dict[str, str]) -> dict[str, float]:
-    """One fresh interpreter: import ``module`` and answer ``event``."""
+    """One fresh interpreter: import ``module`` and answer ``event`` with its handler."""
+    attribute = spec.handler.rpartition(".")[2]
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(event), module, spec.logical_id, str(spec.timeout)],
+        [sys.executable, "-c", CHILD, str(event), module, spec.logical_id, str(spec.timeout),
+         attribute],
         cwd=ROOT / spec.code_dir, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("COLD-START ")]
     if proc.returncode != 0 or not lines:
@@ -220,7 +222,7 @@ def bench(repeats: int, *, tracing: bool, secrets: bool) -> list[dict[str, Any]]
                 env = child_env(spec, server.url, emulator, tracing=tracing,
                                 secrets_url=secrets_url)
                 event = event_file(spec, emulator, Path(tmp))
-                variants = {"lazy": spec.handler.partition(".")[0], "eager": "_eager_variant"}
+                variants = {"lazy": spec.handler.rpartition(".")[0], "eager": "_eager_variant"}
                 samples: dict[str, list[dict[str, float]]] = {"lazy": [], "eager": []}
                 for i in range(repeats + 1):
                     order = ("lazy", "eager") if i % 2 == 0 else ("eager", "lazy")

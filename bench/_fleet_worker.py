@@ -105,6 +105,10 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int
          lease_s: float | None = None, think_s: float = 0.01,
          start_at: float = 0.0) -> None:
     """Invoke handlers until ``stop_at`` (epoch seconds); ``only`` pins one route, once."""
+    # The emulator and Redis stand in for servers with CPUs of their own. On a small host
+    # the Lambda processes yield to them, so arrivals are stamped when they arrive rather
+    # than when a starved emulator gets around to them.
+    os.nice(10)
     handlers = _setup(env, lease_s, out_path.replace("records-", "log-").replace(".jsonl", ".txt"))
     from local.lambda_events import FakeContext, http_event, invoke, lambda_loop
 

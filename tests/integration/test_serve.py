@@ -116,7 +116,10 @@ def test_provider_rate_holds_across_workers_and_late_requests_keep_their_budget(
     served = start_serve({"WORKERS": "4", "REDIS_URL": redis_server.url,
                           "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "k",
                           "LLM_RATE": "5/s", "LLM_BURST": "1", "ATTO_BUDGET": "1000/1h",
-                          "ATTO_REQUEST_TIMEOUT_S": "4"})
+                          "ATTO_REQUEST_TIMEOUT_S": "4",
+                          # A worker's first call opens its connection after its slot; on 2
+                          # busy cores that can take ~30 ms, which the allowance must cover.
+                          "LLM_JITTER_MS": "50"})
     try:
         users = [f"u{i}-{uuid.uuid4().hex[:6]}" for i in range(60)]
         body = {"prompt": "Summarise a job", "schema": SCHEMA}

@@ -58,8 +58,12 @@ def test_from_env_reads_provider_variables() -> None:
     env = {"LLM_RATE": "600/m", "LLM_BURST": "4", "LLM_CONCURRENCY": "3"}
     th = ProviderThrottle.from_env(NoRedis(), "llm", env=env)  # type: ignore[arg-type]
     assert (th.rate, th.per_s, th.burst, th.max_concurrency) == (600.0, 60.0, 4.0, 3)
-    assert th.jitter_s == 0.015  # the default dispatch allowance
-    assert th.interval_s == pytest.approx(60.015 / 600)
+    assert th.jitter_s == pytest.approx(0.9)  # the default allowance: 1.5% of the period
+    assert th.interval_s == pytest.approx(60.9 / 600)
+    th = ProviderThrottle.from_env(NoRedis(), "llm", env={"LLM_RATE": "20/s",  # type: ignore[arg-type]
+                                                          "LLM_JITTER_MS": "40"})
+    assert th.jitter_s == pytest.approx(0.04)
+    assert th.interval_s == pytest.approx(1.04 / 20)
 
 
 def test_from_env_uses_defaults_when_unset_or_empty() -> None:

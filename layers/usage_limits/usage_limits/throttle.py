@@ -47,8 +47,9 @@ R = TypeVar("R")
 #: Suffixes of the environment variables read by ``ProviderThrottle.from_env``.
 ENV_RATE, ENV_BURST, ENV_CONCURRENCY = "_RATE", "_BURST", "_CONCURRENCY"
 ENV_JITTER = "_JITTER_MS"
-#: Default dispatch jitter allowance (see ``ProviderThrottle``'s ``jitter_s``).
-DEFAULT_JITTER_S = 0.015
+#: Default dispatch jitter allowance, as a share of the rate's period (see ``ProviderThrottle``'s
+#: ``jitter_s``): 15 ms for a per-second rate, 0.9 s for a per-minute one; 1.5% of the rate.
+DEFAULT_JITTER_SHARE = 0.015
 #: Re-admissions of a caller that woke too late, before it gives up with ProviderBusy.
 MAX_READMISSIONS = 3
 #: Cooldown used when an upstream 429 carried no Retry-After.
@@ -120,7 +121,9 @@ class ProviderThrottle:
             that leave up to ``jitter_s`` after their slot still never put more than ``rate``
             (+ ``burst`` - 1) units into any ``per_s`` window as the provider counts them;
             a caller that wakes later than that gives its slot up and takes a new one. The
-            cost is ``jitter_s / per_s`` of the rate (1.5% for 15 ms at a per-second rate).
+            cost is ``jitter_s / per_s`` of the rate. None (the default) is 1.5% of
+            ``per_s``: 15 ms for a per-second rate, 0.9 s for a per-minute one (where a
+            cold connection's first round trip must not cost a slot of several seconds).
             0 gives exact GCRA spacing and never re-admits.
 
     Raises:
@@ -129,7 +132,7 @@ class ProviderThrottle:
 
     def __init__(self, redis: AnyRedis, provider: str, *, rate: float, per_s: float = 1.0,
                  burst: float = 1, max_concurrency: int | None = None,
-                 lease_s: float = 30.0, jitter_s: float = DEFAULT_JITTER_S) -> None:
+                 lease_s: float = 30.0, jitter_s: float | None = None) -> None:
         if not isinstance(provider, str) or not provider:
             raise InvalidArgument("provider must be a non-empty string")
         self.provider = provider
@@ -145,6 +148,8 @@ class ProviderThrottle:
                                   f"got {max_concurrency!r}")
         self.max_concurrency = max_concurrency
         self.lease_s = _positive("lease_s", lease_s)
+        if jitter_s is None:
+            jitter_s = DEFAULT_JITTER_SHARE * self.per_s
         if isinstance(jitter_s, bool) or not isinstance(jitter_s, int | float) or not (
                 0 <= jitter_s < self.per_s):
             raise InvalidArgument(f"jitter_s must be >= 0 and below per_s, got {jitter_s!r}")
@@ -175,7 +180,7 @@ class ProviderThrottle:
                  lease_s: float = 30.0,
                  env: Mapping[str, str] | None = None) -> ProviderThrottle:
         """A throttle configured by ``<PROVIDER>_RATE``, ``_BURST``, ``_CONCURRENCY`` and
-        ``_JITTER_MS`` (the dispatch jitter allowance, default 15 ms).
+        ``_JITTER_MS`` (the dispatch jitter allowance, default 1.5% of the rate's period).
 
         ``<PROVIDER>`` is the provider's name upper-cased, other characters than letters and
         digits replaced by ``_`` (``"salary-api"`` reads ``SALARY_API_RATE``). An unset or
@@ -223,7 +228,7 @@ class ProviderThrottle:
 
         jitter_name = prefix + ENV_JITTER
         jitter_text = env.get(jitter_name, "").strip()
-        jitter_s = DEFAULT_JITTER_S
+        jitter_s: float | None = None
         if jitter_text:
             try:
                 jitter_s = float(jitter_text) / 1000

@@ -48,13 +48,20 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .budget import Reservation, SpendEvent, TokenBudget, Usage, Window, WindowUsage
-    from .connection import redis_from_env
-    from .exceptions import (
-        CostExceedsLimit,
-        InvalidArgument,
-        LimiterUnavailable,
-        ProviderBusy,
-        UsageLimitError,
-    )
-    from .throttle import ProviderThrottle, UpstreamRateLimited, throttled
+    # ``X as X`` marks each name as re-exported for type checkers and linters, which
+    # cannot read ``__all__`` when it is computed from ``_EXPORTS``.
+    from .budget import Reservation as Reservation
+    from .budget import SpendEvent as SpendEvent
+    from .budget import TokenBudget as TokenBudget
+    from .budget import Usage as Usage
+    from .budget import Window as Window
+    from .budget import WindowUsage as WindowUsage
+    from .connection import redis_from_env as redis_from_env
+    from .exceptions import CostExceedsLimit as CostExceedsLimit
+    from .exceptions import InvalidArgument as InvalidArgument
+    from .exceptions import LimiterUnavailable as LimiterUnavailable
+    from .exceptions import ProviderBusy as ProviderBusy
+    from .exceptions import UsageLimitError as UsageLimitError
+    from .throttle import ProviderThrottle as ProviderThrottle
+    from .throttle import UpstreamRateLimited as UpstreamRateLimited
+    from .throttle import throttled as throttled

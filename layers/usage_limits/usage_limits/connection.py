@@ -440,7 +440,8 @@ def _sync_client(settings: ConnectionSettings, common: dict[str, Any]) -> Any:
                                           **common)
     common = dict(common)
     max_connections = common.pop("max_connections")
-    pool = redis.BlockingConnectionPool(
+    # redis-py leaves the sync pool's __init__ unannotated.
+    pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
         max_connections=max_connections,
         timeout=settings.connect_timeout_s + settings.socket_timeout_s,
         host=address.host, port=address.port, db=address.db,

@@ -43,6 +43,7 @@ class ProviderBusy(UsageLimitError):
     """
 
     def __init__(self, provider: str, retry_after_s: float, message: str | None = None) -> None:
-        super().__init__(message or f"provider {provider!r} is busy; retry after {retry_after_s:.3f}s")
+        super().__init__(
+            message or f"provider {provider!r} is busy; retry after {retry_after_s:.3f}s")
         self.provider = provider
         self.retry_after_s = retry_after_s

@@ -97,7 +97,15 @@ def current_user(request: Request) -> str:
     return user
 
 
-def require_tokens(cost: int, *, route: str | None = None) -> Callable[[Request], Awaitable[Charge]]:
+def _route_path(request: Request) -> str:
+    """The matched route's path template, or the URL's path when no route matched."""
+    path: str = getattr(request.scope.get("route"), "path", request.url.path)
+    return path
+
+
+def require_tokens(
+    cost: int, *, route: str | None = None
+) -> Callable[[Request], Awaitable[Charge]]:
     """A FastAPI dependency that reserves ``cost`` tokens before the route runs.
 
     Args:
@@ -117,7 +125,7 @@ def require_tokens(cost: int, *, route: str | None = None) -> Callable[[Request]
         rid = identity.request_id(request)
         plan = settings().plan
         budget = runtime.get_budget(plan)
-        name = route or getattr(request.scope.get("route"), "path", request.url.path)
+        name = route or _route_path(request)
         try:
             reservation = await budget.reserve(user, rid, cost=cost, route=name)
         except LimiterUnavailable as exc:

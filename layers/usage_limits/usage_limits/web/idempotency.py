@@ -67,7 +67,7 @@ def _persistence() -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
 
-            class Persistence(CachePersistenceLayer):  # type: ignore[misc,valid-type]
+            class Persistence(CachePersistenceLayer):
                 """Powertools' cache layer, keeping the payload hash on COMPLETED records.
 
                 Its own ``_update_record`` drops the hash when a record completes, after which
@@ -102,7 +102,9 @@ def reset() -> None:
     _store = None
 
 
-def record_data(user: str, key: str, method: str, path: str, query: bytes, body: bytes) -> dict[str, Any]:
+def record_data(
+    user: str, key: str, method: str, path: str, query: bytes, body: bytes
+) -> dict[str, Any]:
     """What identifies the record (user, key) and what must match on a repeat (request)."""
     digest = hashlib.sha256(b"\0".join([method.encode(), path.encode(), query, body])).hexdigest()
     return {"user": user, "key": key, "request": digest}

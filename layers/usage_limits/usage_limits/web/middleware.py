@@ -16,9 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..deadline import deadline_scope, request_budget_s
 from ..exceptions import LimiterUnavailable
@@ -28,6 +27,7 @@ from . import observability as obs
 from .errors import ApiError, error_response, retry_after_header
 from .guard import STATE_KEY, RequestState
 from .settings import settings
+
 
 class UsageLimitsMiddleware:
     def __init__(self, app: ASGIApp) -> None:
@@ -61,8 +61,8 @@ class UsageLimitsMiddleware:
                    record: dict[str, Any] | None = None) -> None:
         started = time.perf_counter()
         log = obs.logger()
-        log.append_keys(request_id=_request_id(scope), route=f"{scope.get('method')} {scope.get('path')}",
-                        user=None)
+        log.append_keys(request_id=_request_id(scope),
+                        route=f"{scope.get('method')} {scope.get('path')}", user=None)
         if refunds.pending():
             await refunds.retry()
         status = 0

@@ -13,7 +13,8 @@ from functools import cache
 
 from ..exceptions import InvalidArgument
 
-ATTO_ENV = "ATTO_ENV"                  # "local" enables the X-Atto-User header; anything else ignores it
+# "local" enables the X-Atto-User header; anything else ignores it
+ATTO_ENV = "ATTO_ENV"
 ATTO_BUDGET = "ATTO_BUDGET"            # the plan, e.g. "100/1h,1000/30d"
 ATTO_MAX_BODY_BYTES = "ATTO_MAX_BODY_BYTES"
 ATTO_DEADLINE_MARGIN_S = "ATTO_DEADLINE_MARGIN_S"

@@ -79,11 +79,13 @@ class LLMClient(ProviderClient):
             content = data["choices"][0]["message"]["content"]
             value = json.loads(content)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise ProviderError("the llm provider sent no usable answer", provider=self.name) from exc
+            raise ProviderError("the llm provider sent no usable answer",
+                                provider=self.name) from exc
         _check(value, schema)
         usage = data.get("usage") or {}
         return Completion(value, str(data.get("model") or body["model"]),
-                          int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+                          int(usage.get("prompt_tokens", 0)),
+                          int(usage.get("completion_tokens", 0)))
 
     async def embed(self, texts: list[str], *, model: str | None = None,
                     dimensions: int | None = None) -> tuple[list[list[float]], str, int]:

@@ -56,8 +56,9 @@ async def usage(user: str = Depends(current_user)) -> UsageOut:
         windows=[WindowOut(limit=w.limit, used=w.used, remaining=w.remaining,
                            window_s=int(w.window_s), resets_at=w.resets_at)
                  for w in report.windows],
-        events=[SpendEventOut(request_id=e.request_id.partition(":")[2] or e.request_id, cost=e.cost, route=e.route,
-                              at=e.at_ms / 1000) for e in report.events],
+        events=[SpendEventOut(request_id=e.request_id.partition(":")[2] or e.request_id,
+                              cost=e.cost, route=e.route, at=e.at_ms / 1000)
+                for e in report.events],
         prices=PRICES,
     )
 

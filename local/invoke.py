@@ -8,6 +8,7 @@ when ``REDIS_URL``/``LLM_BASE_URL`` are unset, as ``sam local invoke`` would nee
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
@@ -35,10 +36,8 @@ def main(argv: list[str]) -> int:
                                                    function_name=spec.logical_id))
     body = result.get("body")
     if isinstance(body, str):
-        try:
+        with contextlib.suppress(ValueError):
             result["body"] = json.loads(body)
-        except ValueError:
-            pass
     print(json.dumps(result, indent=2))
     return 0
 

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 HOST = "127.0.0.1"
 
@@ -45,7 +44,8 @@ def _is_free(port: int) -> bool:
 def _require(binary: str) -> str:
     path = shutil.which(binary)
     if not path:
-        raise RuntimeError(f"{binary} not found: run `make redis-server` (apt-get install redis-server)")
+        raise RuntimeError(
+            f"{binary} not found: run `make redis-server` (apt-get install redis-server)")
     return path
 
 
@@ -73,7 +73,8 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {' '.join(args)}")
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode}: {' '.join(args)}")
             if self.ping():
                 return self
             time.sleep(0.02)

@@ -107,7 +107,8 @@ def main() -> int:
               f"  curl -i -X POST {url}/v1/structured -H 'X-Atto-User: alice' "
               "-H 'Content-Type: application/json' \\\n"
               "    -d '{\"prompt\": \"Summarise: senior Python engineer, Berlin\", "
-              "\"schema\": {\"type\": \"object\", \"properties\": {\"title\": {\"type\": \"string\"}}, "
+              "\"schema\": {\"type\": \"object\", "
+              "\"properties\": {\"title\": {\"type\": \"string\"}}, "
               "\"required\": [\"title\"]}}'\n"
               f"  curl -s {url}/v1/usage -H 'X-Atto-User: alice'", flush=True)
         uvicorn.run("local.serve:create_dispatcher", factory=True, host=host, port=port,

@@ -155,7 +155,8 @@ class ExternalRedis:
         import os
 
         self.url = url
-        self._env = {k: v for k, v in os.environ.items() if k.startswith(("REDIS_", "ELASTICACHE_", "AWS_"))}
+        self._env = {k: v for k, v in os.environ.items()
+                     if k.startswith(("REDIS_", "ELASTICACHE_", "AWS_"))}
         self._env["REDIS_URL"] = url
         self.cluster = self._env.get("REDIS_CLUSTER", "").lower() == "true"
         self.nodes: list[RedisServer] = []

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "layers" / "usage_limits"), str(ROOT / "layers" / "providers")]
+sys.path[:0] = [str(ROOT), str(ROOT / "layers" / "usage_limits"),
+                str(ROOT / "layers" / "providers")]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -119,14 +120,15 @@ def main() -> None:
         args.requests, args.imports = 300, 2
     rows = invocation_bench(args.requests)
     print(f"\nFull handler invocation, {args.requests} requests each (µs)\n")
-    print(f"| route | p50 µs | p99 µs | Redis round trips / request |")
-    print(f"|---|---:|---:|---:|")
+    print("| route | p50 µs | p99 µs | Redis round trips / request |")
+    print("|---|---:|---:|---:|")
     for name, p50, p99, cmds in rows:
         label = "with require_tokens" if name == "guarded" else "without require_tokens"
         print(f"| {label} | {p50:.0f} | {p99:.0f} | {cmds:.2f} |")
     (_, p50_plain, _, c_plain), (_, p50_guard, _, c_guard) = rows
     print(f"| guard adds | {p50_guard - p50_plain:+.0f} | | {c_guard - c_plain:+.2f} |")
-    print(f"\nCold-start import of each handler module (median of {args.imports} fresh interpreters)\n")
+    print("\nCold-start import of each handler module "
+          f"(median of {args.imports} fresh interpreters)\n")
     print("| module | import ms |")
     print("|---|---:|")
     for module, ms in import_bench(args.imports):

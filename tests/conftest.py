@@ -44,7 +44,8 @@ def client_for(server: RedisServer | RedisCluster3) -> aioredis.Redis | RedisClu
 
 
 @pytest.fixture(params=["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
-async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis | RedisCluster]:
+async def redis_client(
+        request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis | RedisCluster]:
     """An async client, once against the standalone server and once against the cluster."""
     server = request.getfixturevalue("redis_server" if request.param == "standalone"
                                      else "redis_cluster")

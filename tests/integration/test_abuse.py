@@ -312,7 +312,8 @@ def test_deeply_nested_schema_is_422_and_free(env: EmulatorProcess) -> None:
                                  "#/$defs/nowhere"], ids=["url", "endless", "dangling"])
 def test_schema_refs_are_never_fetched_and_charge_nothing(env: EmulatorProcess, ref: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A caller's $ref to a URL is never downloaded; unusable refs are a free 422 before any provider call."""
+    """A caller's $ref to a URL is never downloaded; unusable refs are a free 422 before any
+    provider call."""
     import urllib.request
 
     fetched: list[Any] = []

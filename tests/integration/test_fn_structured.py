@@ -1,4 +1,5 @@
-"""POST /v1/structured and GET /v1/usage through their Mangum handlers, a real redis-server and the emulator."""
+"""POST /v1/structured and GET /v1/usage through their Mangum handlers, a real redis-server
+and the emulator."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def ask(user: str, body: Any, headers: dict[str, str] | None = None) -> Any:
 
 
 def used(user: str) -> int:
-    return invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user)).body["windows"][0]["used"]
+    res = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user))
+    return res.body["windows"][0]["used"]
 
 
 def test_answer_is_valid_for_the_schema_and_charged_8(env: EmulatorProcess) -> None:
@@ -134,7 +136,8 @@ def test_usage_reports_windows_events_and_prices(env: EmulatorProcess) -> None:
     res = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user))
     assert res.status == 200 and "ratelimit" not in res.headers
     window = res.body["windows"][0]
-    assert (window["limit"], window["used"], window["remaining"], window["window_s"]) == (100, 8, 92, 3600)
+    assert (window["limit"], window["used"], window["remaining"], window["window_s"]) == (
+        100, 8, 92, 3600)
     assert res.body["events"][0]["request_id"] == "abc"
     assert res.body["events"][0]["route"] == "/v1/structured" and res.body["events"][0]["cost"] == 8
     assert res.body["prices"]["POST /v1/structured"] == 8
@@ -162,7 +165,8 @@ def test_every_event_file_invokes_its_function(env: EmulatorProcess,
     {"$ref": "http://169.254.169.254/latest/meta-data"},  # remote
     {"$ref": "#/$defs/missing"},                      # dangling
 ])
-def test_unusable_references_are_refused_before_any_charge(env: EmulatorProcess, schema: Any) -> None:
+def test_unusable_references_are_refused_before_any_charge(
+        env: EmulatorProcess, schema: Any) -> None:
     """A schema whose $refs are remote, dangling or endless is a free 422, not a provider call."""
     user = uuid.uuid4().hex
     res = ask(user, {"prompt": "x", "schema": schema})
@@ -181,7 +185,8 @@ def test_recursive_schemas_with_local_references_work(env: EmulatorProcess) -> N
 
 
 def test_model_not_offered_is_refused_and_free(env: EmulatorProcess) -> None:
-    """A model the deployment does not offer gets 400 and costs nothing: prices do not depend on the model."""
+    """A model the deployment does not offer gets 400 and costs nothing: prices do not depend
+    on the model."""
     user = uuid.uuid4().hex
     res = ask(user, {"prompt": "x", "schema": SCHEMA, "model": "gpt-4.1"})
     assert res.status == 400 and res.body["error"]["code"] == "invalid_request"

@@ -76,7 +76,8 @@ def test_generated_event_without_sub_is_401(env: EmulatorProcess) -> None:
 
 
 def test_generated_event_with_sub_is_served_and_charged(env: EmulatorProcess) -> None:
-    """The same event with a `sub` claim (its body base64-encoded by SAM) is answered and charged."""
+    """The same event with a `sub` claim (its body base64-encoded by SAM) is answered and
+    charged."""
     user = uuid.uuid4().hex
     body = {"prompt": "Senior Python engineer", "schema": {
         "type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}}

@@ -111,7 +111,8 @@ def test_four_workers_admit_exactly_the_budget(redis_server: RedisServer,
 
 def test_provider_rate_holds_across_workers_and_late_requests_keep_their_budget(
         redis_server: RedisServer, emulator: EmulatorProcess) -> None:
-    """At LLM_RATE=5/s the emulator never sees more than 5 calls in any second; late requests get 503 provider_busy and are refunded."""
+    """At LLM_RATE=5/s the emulator never sees more than 5 calls in any second; late requests
+    get 503 provider_busy and are refunded."""
     emulator.reset()
     served = start_serve({"WORKERS": "4", "REDIS_URL": redis_server.url,
                           "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "k",
@@ -145,7 +146,8 @@ def test_provider_rate_holds_across_workers_and_late_requests_keep_their_budget(
 
 
 def test_serve_starts_its_own_redis_and_emulator_and_stops_them() -> None:
-    """With nothing configured, serve starts a private redis-server and the emulator, and stops both on Ctrl-C."""
+    """With nothing configured, serve starts a private redis-server and the emulator, and stops
+    both on Ctrl-C."""
     env = {name: "" for name in ("REDIS_URL", "LLM_BASE_URL")}
     served = start_serve({"WORKERS": "1", **env})
     try:

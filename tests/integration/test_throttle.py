@@ -201,7 +201,8 @@ async def test_cluster_down_is_limiter_unavailable(uid: str) -> None:
 
 async def test_lease_caps_calls_in_flight(client: Any, uid: str) -> None:
     """With max_concurrency=2 no more than two blocks run at once; the rest wait their turn."""
-    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=2, lease_s=5)
+    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=2,
+                          lease_s=5)
     inside: list[int] = []
     peak = 0
 
@@ -220,7 +221,8 @@ async def test_lease_caps_calls_in_flight(client: Any, uid: str) -> None:
 
 async def test_release_wakes_the_next_waiter(client: Any, uid: str) -> None:
     """A waiter enters only after the holder's block exits, woken by the release."""
-    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1, lease_s=5)
+    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1,
+                          lease_s=5)
     exited: list[float] = []
     entered: list[float] = []
 
@@ -240,7 +242,8 @@ async def test_release_wakes_the_next_waiter(client: Any, uid: str) -> None:
 
 async def test_lease_waiters_are_served_in_arrival_order(client: Any, uid: str) -> None:
     """Queued callers get the lease in the order they arrived, not in wake-up order."""
-    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1, lease_s=5)
+    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1,
+                          lease_s=5)
     _, waiters_key, _ = lease_keys(uid)
     order: list[int] = []
     release = asyncio.Event()
@@ -267,7 +270,8 @@ async def test_lease_waiters_are_served_in_arrival_order(client: Any, uid: str) 
 
 async def test_lease_wait_times_out_and_leaves_the_queue(client: Any, uid: str) -> None:
     """A waiter that cannot get a lease in time gets ProviderBusy and leaves the queue."""
-    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1, lease_s=5)
+    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1,
+                          lease_s=5)
     async with th.slot(max_wait_s=1):
         with pytest.raises(ProviderBusy) as busy:
             async with th.slot(max_wait_s=0.1):
@@ -295,7 +299,8 @@ async def test_late_rate_slot_gives_the_lease_back(client: Any, uid: str) -> Non
 
 async def test_expired_lease_frees_its_place(client: Any, uid: str) -> None:
     """A lease whose holder vanished (never released) stops counting when it expires."""
-    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1, lease_s=5)
+    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1,
+                          lease_s=5)
     leases_key = lease_keys(uid)[0]
     expires = time.time() + 0.3
     await client.zadd(leases_key, {"vanished": expires * 1000})
@@ -306,7 +311,8 @@ async def test_expired_lease_frees_its_place(client: Any, uid: str) -> None:
 
 async def test_dead_waiter_leaves_the_queue(client: Any, uid: str) -> None:
     """A queued caller that stopped coming back is dropped after its entry expires."""
-    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1, lease_s=5)
+    th = ProviderThrottle(client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1,
+                          lease_s=5)
     _, waiters_key, wexpiry_key = lease_keys(uid)
     expires = time.time() + 0.3
     await client.zadd(waiters_key, {"ghost": 1})
@@ -409,8 +415,8 @@ async def test_standalone_waiters_are_woken_by_pub_sub(standalone_client: Any, u
     shared subscription is gone once nobody waits."""
     from usage_limits._semaphore import SUBSCRIBED_POLL_S
 
-    th = ProviderThrottle(standalone_client, uid, jitter_s=0, rate=1000, burst=10, max_concurrency=1,
-                          lease_s=30)
+    th = ProviderThrottle(standalone_client, uid, jitter_s=0, rate=1000, burst=10,
+                          max_concurrency=1, lease_s=30)
     [channel] = provider_keys(uid, "free")
     exited: list[float] = []
     entered: list[float] = []
@@ -441,7 +447,8 @@ async def test_standalone_waiters_are_woken_by_pub_sub(standalone_client: Any, u
 
 
 async def test_jitter_allowance_spaces_slots_for_late_dispatch(client: Any, uid: str) -> None:
-    """With a dispatch allowance, slots are (per_s + jitter_s) / rate apart, so calls that leave up to jitter_s late still fit the provider's window."""
+    """With a dispatch allowance, slots are (per_s + jitter_s) / rate apart, so calls that
+    leave up to jitter_s late still fit the provider's window."""
     th = ProviderThrottle(client, uid, rate=5, burst=1, jitter_s=0.05)
     await th.pause(0.1)
     got = sorted(await asyncio.gather(*(th.admit(max_wait_s=3) for _ in range(6))),
@@ -454,7 +461,8 @@ async def test_jitter_allowance_spaces_slots_for_late_dispatch(client: Any, uid:
 
 async def test_late_waker_gives_up_its_slot_and_takes_a_new_one(
         client: Any, uid: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A caller that wakes later than jitter_s after its slot does not go: it re-admits behind the queue."""
+    """A caller that wakes later than jitter_s after its slot does not go: it re-admits behind
+    the queue."""
     import usage_limits.throttle as throttle_mod
 
     th = ProviderThrottle(client, uid, rate=20, burst=1, jitter_s=0.01)

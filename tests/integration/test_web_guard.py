@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from fastapi import Depends
@@ -12,11 +12,18 @@ from fastapi.responses import JSONResponse
 from mangum import Mangum
 from pydantic import BaseModel
 
-from local.redis_servers import RedisServer
 from local.lambda_events import FakeContext, http_event, invoke, lambda_loop
+from local.redis_servers import RedisServer
 from usage_limits.deadline import remaining_s
-from usage_limits.web import Charge, create_app, current_user, require_tokens, settings
-from usage_limits.web import idempotency, runtime
+from usage_limits.web import (
+    Charge,
+    create_app,
+    current_user,
+    idempotency,
+    require_tokens,
+    runtime,
+    settings,
+)
 from usage_limits.web.runtime import get_budget
 
 calls: list[str] = []
@@ -50,7 +57,8 @@ def build_app() -> Any:
         return {"n": item.n}
 
     @app.post("/settles")
-    async def settles(charge: Charge = Depends(require_tokens(cost=10))) -> dict[str, int]:
+    async def settles(
+            charge: Annotated[Charge, Depends(require_tokens(cost=10))]) -> dict[str, int]:
         await charge.settle(3)
         return {"cost": charge.cost}
 
@@ -260,7 +268,8 @@ def test_malformed_idempotency_key_is_400(web: Any, key: str) -> None:
     assert used(web, user) == 0
 
 
-def test_oversized_body_is_413_and_charges_nothing(web: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_oversized_body_is_413_and_charges_nothing(
+        web: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A body above ATTO_MAX_BODY_BYTES is refused before any charge or route."""
     monkeypatch.setenv("ATTO_MAX_BODY_BYTES", "1000")
     settings.cache_clear()
@@ -312,7 +321,8 @@ def test_redis_down_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_refund_missed_while_redis_is_down_lands_with_the_next_request(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A refund that fails because Redis went down is retried before the environment's next request."""
+    """A refund that fails because Redis went down is retried before the environment's next
+    request."""
     from usage_limits.web import refunds
 
     server = RedisServer(extra=["--appendonly", "yes", "--appendfsync", "always"]).start()

@@ -145,7 +145,8 @@ def require_tokens(
                 f"token budget exceeded: this request costs {cost} tokens",
                 headers=retry_after_header(reservation.retry_after_s),
                 retry_after_s=round(reservation.retry_after_s, 3), limit=reservation.limit,
-                remaining=reservation.remaining, window_s=reservation.window_s, cost=cost)
+                remaining=reservation.remaining, window_s=_seconds(reservation.window_s),
+                cost=cost)
         if reservation.duplicate:
             raise IdempotencyConflict(
                 "this Idempotency-Key was already used for a request that was charged; "
@@ -157,3 +158,8 @@ def require_tokens(
     reserve_tokens.__name__ = f"require_tokens_{cost}"
     reserve_tokens.cost = cost  # type: ignore[attr-defined]  # read by the price-list test
     return reserve_tokens
+
+
+def _seconds(value: float) -> float | int:
+    """A window length as JSON shows it: whole seconds as an integer."""
+    return int(value) if float(value).is_integer() else value

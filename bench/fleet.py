@@ -58,10 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lambda-timeout", type=float, default=None,
                     help="each invocation's Lambda timeout, s (default 6; quick 5)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--jitter-ms", type=float, default=50.0,
+    ap.add_argument("--jitter-ms", type=float, default=100.0,
                     help="each provider's <P>_JITTER_MS: how late a call may leave after its "
-                         "slot and still count within the limit. Many processes on few cores "
-                         "are delayed by the OS for tens of ms (default 50; Lambda: 15)")
+                         "slot and still count within the limit. Eight processes on two cores "
+                         "are held up by the OS for tens of ms at a time, most at start-up "
+                         "(default 100 here; 15 ms on Lambda, where each has its own CPU)")
     ap.add_argument("--redis-url", default=None,
                     help="use this Redis (e.g. a staging cache) instead of starting one; the "
                          "REDIS_* variables of this shell (REDIS_CLUSTER, REDIS_AUTH, ...) are "

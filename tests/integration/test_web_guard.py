@@ -313,6 +313,10 @@ def test_redis_down_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
             assert res.body["error"]["code"] == "limiter_unavailable"
             assert "retry-after" in res.headers
             assert calls == ["ok"]
+            # Redis may have charged and lost only the reply: a refund waits for its return.
+            from usage_limits.web import refunds
+
+            assert refunds.pending() == 1
     finally:
         server.close()
         settings.cache_clear()
@@ -355,6 +359,49 @@ def test_refund_missed_while_redis_is_down_lands_with_the_next_request(
             assert refunds.pending() == 0
     finally:
         refunds.clear()
+        server.close()
+        settings.cache_clear()
+        runtime.set_redis(None)
+
+
+def test_charge_whose_reply_was_lost_is_refunded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reservation that timed out but ran on Redis afterwards is refunded, not left charged."""
+    import threading
+    import time
+
+    import redis as sync_redis
+
+    from usage_limits.web import refunds
+
+    server = RedisServer(extra=["--enable-debug-command", "yes"]).start()
+    monkeypatch.setenv("REDIS_URL", server.url)
+    monkeypatch.setenv("ATTO_BUDGET", "20/1h")
+    monkeypatch.setenv("REDIS_SOCKET_TIMEOUT_S", "0.3")
+    monkeypatch.setenv("REDIS_RETRIES", "0")
+    settings.cache_clear()
+    runtime.set_redis(None)
+    user = uuid.uuid4().hex
+    try:
+        with lambda_loop():
+            handler = build_app()
+            assert invoke(handler, http_event("GET", "/used", user=user)).body["used"] == 0
+            sleeper = threading.Thread(target=lambda: sync_redis.Redis(port=server.port)
+                                       .execute_command("DEBUG", "SLEEP", "1"))
+            sleeper.start()
+            time.sleep(0.1)  # Redis is now asleep: the reservation waits, then runs late
+            res = invoke(handler, http_event("POST", "/ok", body={}, user=user))
+            assert res.status == 503 and res.body["error"]["code"] == "limiter_unavailable"
+            sleeper.join()
+            assert refunds.pending() == 1
+            from usage_limits.keys import user_keys
+
+            ledger = sync_redis.Redis(port=server.port)
+            assert ledger.zcard(user_keys(user, "log")[0]) == 1  # Redis did charge, late
+            assert invoke(handler, http_event("GET", "/used", user=user)).body["used"] == 0
+            assert ledger.zcard(user_keys(user, "log")[0]) == 0
+            assert refunds.pending() == 0
+            assert calls == []
+    finally:
         server.close()
         settings.cache_clear()
         runtime.set_redis(None)

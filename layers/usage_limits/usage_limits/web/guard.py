@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
-from . import identity, runtime
+from . import identity, refunds, runtime
 from . import observability as obs
 from .errors import (
     BudgetExceeded,
@@ -47,14 +47,15 @@ class Charge:
         user_id: whose budget was charged.
         request_id: the id the charge is tied to.
         cost: tokens currently charged (lowered by ``settle``).
-        reservation: the ledger's answer at reservation time.
+        reservation: the ledger's answer at reservation time (None when Redis never
+            answered the reservation).
     """
 
     budget: TokenBudget = field(repr=False)
     user_id: str
     request_id: str
     cost: int
-    reservation: Reservation = field(repr=False)
+    reservation: Reservation | None = field(repr=False)
 
     async def settle(self, actual_cost: int) -> None:
         """Lower the charge to ``actual_cost`` (never raises it)."""
@@ -129,6 +130,11 @@ def require_tokens(
         try:
             reservation = await budget.reserve(user, rid, cost=cost, route=name)
         except LimiterUnavailable as exc:
+            # Redis may have made the charge and lost only its reply (a kill or a timeout
+            # after the script ran): refund it later, when Redis answers again. A refund of
+            # a charge that was never made removes nothing.
+            refunds.keep(Charge(budget, user, rid, cost, None),
+                         max(seconds for _, seconds in plan))
             raise LimiterUnavailableError(
                 "the usage limiter is unavailable; nothing was charged",
                 headers=retry_after_header(1)) from exc

@@ -3,6 +3,8 @@
 A refund needs Redis. When Redis is down or too slow at the moment a request fails, the
 response still goes out (fail closed for new work), and the refund is kept here, in the
 execution environment, and tried again before the next request this environment serves.
+The same happens when a reservation got no answer: Redis may have made the charge and lost
+only its reply, and a refund of a charge that was never made removes nothing.
 Environments are reused for many invocations, so most such refunds land within seconds
 of Redis coming back; one whose environment is never reused is lost (and logged).
 
@@ -68,15 +70,16 @@ async def retry() -> int:
                 "request_id": item.charge.request_id})
             continue
         try:
-            await item.charge.refund()
+            removed = await item.charge.refund()
         except Exception:
             break  # Redis still unavailable: keep them all for the next request
         _pending.remove(item)
-        landed += 1
-        obs.count(obs.TOKENS_REFUNDED, item.cost)
-        obs.logger().info("pending refund made", extra={
-            "request_id": item.charge.request_id,
-            "delay_s": round(time.monotonic() - item.failed_at, 3)})
+        if removed:  # False: the charge was never made (only its reply was lost) or is gone
+            landed += 1
+            obs.count(obs.TOKENS_REFUNDED, item.cost)
+            obs.logger().info("pending refund made", extra={
+                "request_id": item.charge.request_id,
+                "delay_s": round(time.monotonic() - item.failed_at, 3)})
     return landed
 
 

@@ -438,3 +438,27 @@ def test_charge_whose_reply_was_lost_is_refunded(monkeypatch: pytest.MonkeyPatch
         proxy.close()
         settings.cache_clear()
         runtime.set_redis(None)
+
+
+def test_unreachable_cluster_with_an_idempotency_key_fails_closed_in_json(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """When no cluster node answers, a request with a key still gets 503 limiter_unavailable in the error shape."""
+    from local.redis_servers import free_port
+
+    monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    monkeypatch.setenv("REDIS_CLUSTER", "true")
+    monkeypatch.setenv("ATTO_BUDGET", "20/1h")
+    settings.cache_clear()
+    runtime.set_redis(None)
+    idempotency.reset()
+    calls.clear()
+    try:
+        with lambda_loop():
+            res = invoke(build_app(), http_event("POST", "/ok", body={},
+                                                 headers={"Idempotency-Key": "k-1"}))
+        assert res.status == 503 and res.body["error"]["code"] == "limiter_unavailable"
+        assert calls == []
+    finally:
+        settings.cache_clear()
+        runtime.set_redis(None)
+        idempotency.reset()

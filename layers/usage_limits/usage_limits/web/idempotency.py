@@ -120,16 +120,16 @@ async def begin(data: dict[str, Any], remaining_ms: int) -> Replay | None:
     """
     from aws_lambda_powertools.utilities.idempotency import exceptions as ex
 
-    store = _persistence()
+    # The store is created in the worker thread too: a cluster client connects when made.
     try:
-        await asyncio.to_thread(store.save_inprogress, data, remaining_ms)
+        await asyncio.to_thread(lambda: _persistence().save_inprogress(data, remaining_ms))
         return None
     except ex.IdempotencyItemAlreadyExistsError:
         pass
     except Exception as exc:
         raise LimiterUnavailable(f"idempotency store unavailable: {exc}") from exc
     try:
-        record = await asyncio.to_thread(store.get_record, data)
+        record = await asyncio.to_thread(lambda: _persistence().get_record(data))
     except ex.IdempotencyValidationError as exc:
         raise KeyReused() from exc
     except ex.IdempotencyItemNotFoundError:
@@ -150,9 +150,10 @@ async def complete(data: dict[str, Any], status: int, headers: list[tuple[bytes,
     kept = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
             if k.decode("latin-1").lower() in _STORED_HEADERS]
     result = {"status": status, "headers": kept, "body": body.decode("utf-8", "replace")}
-    await asyncio.to_thread(_persistence().save_success, data, result)
+    await asyncio.to_thread(lambda: _persistence().save_success(data, result))
 
 
 async def abandon(data: dict[str, Any]) -> None:
     """Delete the record of a failed request so that a retry may run."""
-    await asyncio.to_thread(_persistence().delete_record, data, RuntimeError("request failed"))
+    await asyncio.to_thread(lambda: _persistence().delete_record(data,
+                                                                 RuntimeError("request failed")))

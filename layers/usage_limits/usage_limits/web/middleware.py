@@ -149,7 +149,9 @@ async def _claim(scope: Scope, receive: Receive, send: Send, record: dict[str, A
     except idem.KeyReused:
         response = error_response(409, "idempotency_conflict",
                                   "this Idempotency-Key was used for a different request")
-    except LimiterUnavailable:
+    except Exception as exc:  # LimiterUnavailable, or anything else the store raised
+        if not isinstance(exc, LimiterUnavailable):
+            obs.logger().exception("idempotency store failed")
         response = error_response(503, "limiter_unavailable",
                                   "the usage limiter is unavailable; nothing was charged",
                                   headers=retry_after_header(1))

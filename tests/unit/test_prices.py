@@ -1,0 +1,51 @@
+"""Route costs are declared once per route, and the price list and README agree with them."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+from local.template import functions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def declared_costs() -> dict[str, int]:
+    """Cost of every metered route, read from the require_tokens dependency it declares."""
+    costs: dict[str, int] = {}
+    for fn in functions():
+        app = importlib.import_module(fn.code_dir.replace("/", ".") + ".app").app
+        for route in app.routes:
+            methods = getattr(route, "methods", None)
+            dependant = getattr(route, "dependant", None)
+            if not methods or dependant is None:
+                continue
+            stack = list(dependant.dependencies)
+            while stack:
+                dep = stack.pop()
+                if hasattr(dep.call, "cost"):
+                    for method in methods:
+                        costs[f"{method} {route.path}"] = dep.call.cost
+                stack.extend(dep.dependencies)
+    return costs
+
+
+def test_price_list_matches_route_declarations() -> None:
+    """GET /v1/usage's price list is exactly the costs the routes declare."""
+    prices = importlib.import_module("functions.usage.app").PRICES
+    assert declared_costs() == prices
+
+
+def test_readme_lists_every_price() -> None:
+    """The README's route table shows each metered route with its cost."""
+    readme = (ROOT / "README.md").read_text()
+    for route, cost in importlib.import_module("functions.usage.app").PRICES.items():
+        method, path = route.split()
+        assert re.search(rf"\|\s*`{method} {re.escape(path)}`\s*\|\s*{cost}\s*\|", readme), route
+
+
+def test_every_function_but_usage_is_metered() -> None:
+    """Every cloud feature costs tokens; only GET /v1/usage is free."""
+    metered = {route.split()[1] for route in declared_costs()}
+    assert {fn.path for fn in functions()} - metered == {"/v1/usage"}

@@ -125,11 +125,15 @@ def test_scripts_name_every_key_and_argument_in_their_header(name: str) -> None:
     assert "KEYS[" not in rest and "ARGV[" not in rest, name
 
 
-def test_shared_ledger_code_is_identical_in_reserve_and_usage() -> None:
-    """budget_reserve.lua and budget_usage.lua move windows forward with the same code."""
-    pattern = re.compile(r"-- BEGIN shared ledger code.*?-- END shared ledger code", re.S)
-    reserve, usage = pattern.search(lua("budget_reserve")), pattern.search(lua("budget_usage"))
-    assert reserve and usage and reserve.group(0) == usage.group(0)
+def test_shared_window_code_is_pasted_into_both_scripts() -> None:
+    """budget_reserve.lua and budget_usage.lua run the one copy of the window bookkeeping."""
+    from usage_limits._scripts import script
+
+    shared = lua("_budget_windows").split("]]\n", 1)[1].strip()
+    for name in ("budget_reserve", "budget_usage"):
+        source = script(name).source
+        assert source.count(shared) == 1, name
+        assert not re.search(r"^--#include", source, re.M), name
 
 
 def test_reservation_decoding_picks_the_binding_window() -> None:

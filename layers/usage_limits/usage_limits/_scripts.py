@@ -9,6 +9,7 @@ full with EVAL, which also caches it there.
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ class LuaScript:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.source = resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+        self.source = _expand(_read(f"{name}.lua"))
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     async def __call__(self, client: AnyRedis, keys: list[str], args: list[Any]) -> Any:
@@ -57,6 +58,22 @@ class LuaScript:
 def _is_script_bug(exc: ResponseError) -> bool:
     text = str(exc)
     return "user_script" in text or text.startswith("Error running script")
+
+
+_INCLUDE = re.compile(r"^--#include (\S+\.lua)\b.*$", re.MULTILINE)
+
+
+def _read(filename: str) -> str:
+    return resources.files(__package__).joinpath("lua", filename).read_text()
+
+
+def _expand(source: str) -> str:
+    """Paste every ``--#include file.lua`` line's file in its place (one level deep).
+
+    Redis runs a script as one text; shared code lives in one file and is pasted into each
+    script that needs it, so the scripts cannot drift apart.
+    """
+    return _INCLUDE.sub(lambda m: _read(m.group(1)).rstrip("\n"), source)
 
 
 @cache

@@ -442,7 +442,8 @@ def test_charge_whose_reply_was_lost_is_refunded(monkeypatch: pytest.MonkeyPatch
 
 def test_unreachable_cluster_with_an_idempotency_key_fails_closed_in_json(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """When no cluster node answers, a request with a key still gets 503 limiter_unavailable in the error shape."""
+    """When no cluster node answers, a request with a key still gets 503 limiter_unavailable in
+    the error shape."""
     from local.redis_servers import free_port
 
     monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")

@@ -40,6 +40,9 @@ from usage_limits.web.settings import parse_plan  # noqa: E402
 PROVIDERS = {"llm": "10/s", "salary": "4/s", "search": "3/s"}
 SEARCH_CONCURRENCY = 2
 FAILURE_RATE = 0.05
+#: Environments start this far apart, as a fleet scaling out does (not all in the same ms):
+#: eight first requests at once on two cores hold each other up past any jitter allowance.
+STAGGER_S = 0.25
 CHEAP_FAULTS = ["redis-restart", "script-flush", "redis-slow", "upstream-5xx", "upstream-429",
                 "kill-lease-holder", "upstream-latency"]
 
@@ -145,7 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctx.stop_at = stop_at
         procs = [spawn.Process(target=worker.main, name=f"fleet-{i}", args=(
             f"w{i}", env, str(out / f"records-w{i}.jsonl"), stop_at, args.seed * 1000 + i,
-            users, args.lambda_timeout), kwargs={"lease_s": lease_s, "start_at": t_start})
+            users, args.lambda_timeout), kwargs={"lease_s": lease_s,
+                                                 "start_at": t_start + i * STAGGER_S})
             for i in range(args.processes)]
         for p in procs:
             p.start()

@@ -11,9 +11,9 @@ import pytest
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import SSLConnection
+from redis.asyncio.retry import Retry  # the asyncio clients need the asyncio Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.credentials import UsernamePasswordCredentialProvider
-from redis.retry import Retry
 
 import usage_limits
 from usage_limits.config import ConnectionSettings

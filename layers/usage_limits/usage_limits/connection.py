@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.credentials import CredentialProvider
 from redis.exceptions import AuthenticationError
@@ -143,8 +144,11 @@ def redis_from_env(
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=settings.connect_timeout_s,
         health_check_interval=settings.health_check_interval_s,
-        retry=Retry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
-                    settings.retries),
+        # The asyncio client needs the asyncio Retry: given the blocking one, it awaits the
+        # command outside the retry loop and never retries.
+        retry=(Retry if sync else AsyncRetry)(
+            ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
+            settings.retries),
         max_connections=settings.max_connections,
         decode_responses=False,
         **credentials,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import tomllib
 from pathlib import Path
 from typing import Any

@@ -98,3 +98,27 @@ def lambda_loop() -> Iterator[asyncio.AbstractEventLoop]:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
         asyncio.set_event_loop(None)
+
+
+#: Per-environment singletons of the provider clients: (module, attribute).
+_PROVIDER_SINGLETONS = (("atto_providers.llm", "_client"), ("atto_providers.salary", "_client"),
+                        ("atto_providers.search", "_client"), ("atto_providers.fetch", "_fetcher"))
+
+
+def fresh_environment() -> None:
+    """Forget every per-execution-environment singleton, as a new Lambda environment starts.
+
+    Settings, the Redis client, the idempotency store, pending refunds and the provider
+    clients are made again, from the current environment variables, on next use.
+    """
+    import sys
+
+    from usage_limits.web import idempotency, refunds, runtime, settings
+
+    settings.cache_clear()
+    runtime.set_redis(None)
+    idempotency.reset()
+    refunds.clear()
+    for module, attribute in _PROVIDER_SINGLETONS:
+        if module in sys.modules:
+            setattr(sys.modules[module], attribute, None)

@@ -26,15 +26,11 @@ from typing import Any
 
 import pytest
 
-import atto_providers.fetch as fetch
-import atto_providers.llm as llm
-import atto_providers.salary as salary
-import atto_providers.search as search
 from local.emulator import EmulatorProcess
-from local.lambda_events import Result, http_event, invoke, lambda_loop
+from local.lambda_events import Result, fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer, free_port
-from usage_limits.web import idempotency, runtime, settings
 from usage_limits.web import observability as obs
+from usage_limits.web import runtime, settings
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}},
           "required": ["title"], "additionalProperties": False}
@@ -97,16 +93,6 @@ def emulator() -> Iterator[EmulatorProcess]:
         yield emu
 
 
-def _reset() -> None:
-    settings.cache_clear()
-    runtime.set_redis(None)
-    idempotency.reset()
-    llm._client = None
-    search._client = None
-    salary._client = None
-    fetch._fetcher = None
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
@@ -125,10 +111,10 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
                  "PAGES_ALLOW_PRIVATE_HOSTS", *(f"{p}_{s}" for p in ("LLM", "SEARCH", "SALARY")
                                                 for s in ("SECRET_ARN", "BURST", "CONCURRENCY"))):
         monkeypatch.delenv(name, raising=False)
-    _reset()
+    fresh_environment()
     with lambda_loop():
         yield emulator
-    _reset()
+    fresh_environment()
 
 
 @pytest.fixture
@@ -465,9 +451,9 @@ def secret_env(env: EmulatorProcess, monkeypatch: pytest.MonkeyPatch) -> Iterato
         # only the first time a name is used in the process.
         monkeypatch.setenv("POWERTOOLS_SERVICE_NAME", "atto-secrets-" + secrets.token_hex(4))
         monkeypatch.setattr(obs, "_logger", None)
-        _reset()
+        fresh_environment()
         yield env, values, server
-        _reset()
+        fresh_environment()
 
 
 def test_secrets_never_reach_the_logs(secret_env: SecretEnv, monkeypatch: pytest.MonkeyPatch,
@@ -497,7 +483,7 @@ def test_secrets_never_reach_the_logs(secret_env: SecretEnv, monkeypatch: pytest
             assert failed.status == 401
     monkeypatch.setenv("REDIS_URL", f"redis://:wrong-{values['REDIS_PASSWORD']}@127.0.0.1:"
                                     f"{server.port}/0")
-    _reset()
+    fresh_environment()
     for route in ROUTES:
         answers.append(refused := call(route, new_user(), headers={"Idempotency-Key": "k"}))
         assert refused.status == 503, (route.name, refused.body)

@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 
-import atto_providers.llm as llm
 import atto_providers.search as search
 from local.emulator import EmulatorProcess
-from local.lambda_events import Result, http_event, invoke, lambda_loop
+from local.lambda_events import Result, fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
-from usage_limits.web import idempotency, runtime, settings
+from usage_limits.web import settings
 from usage_limits.web.runtime import get_budget
 
 ROUTE = "/v1/company-research"
@@ -45,18 +44,10 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
     for name in ("ATTO_ENV", "LLM_SECRET_ARN", "SEARCH_SECRET_ARN", "SEARCH_BURST",
                  "SEARCH_CONCURRENCY"):
         monkeypatch.delenv(name, raising=False)
-    _reset()
+    fresh_environment()
     with lambda_loop():
         yield emulator
-    _reset()
-
-
-def _reset() -> None:
-    settings.cache_clear()
-    runtime.set_redis(None)
-    idempotency.reset()
-    llm._client = None
-    search._client = None
+    fresh_environment()
 
 
 @pytest.fixture
@@ -167,7 +158,7 @@ def test_missing_search_key_is_502_without_a_call(handler: Any, env: EmulatorPro
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Without search credentials the request fails as provider_error before any call."""
     monkeypatch.delenv("SEARCH_API_KEY")
-    _reset()
+    fresh_environment()
     user = user_id()
     res = post(handler, {"company": "Acme Logistics"}, user=user)
     assert res.status == 502 and res.body["error"]["provider"] == "search"

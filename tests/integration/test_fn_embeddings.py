@@ -14,9 +14,9 @@ import pytest
 
 import atto_providers.llm as llm
 from local.emulator import EmulatorProcess
-from local.lambda_events import Result, http_event, invoke, lambda_loop
+from local.lambda_events import Result, fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
-from usage_limits.web import idempotency, runtime, settings
+from usage_limits.web import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTE = "/v1/embeddings"
@@ -32,13 +32,6 @@ def emulator() -> Iterator[EmulatorProcess]:
         yield emu
 
 
-def _reset() -> None:
-    settings.cache_clear()
-    runtime.set_redis(None)
-    idempotency.reset()
-    llm._client = None
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
@@ -51,10 +44,10 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
     for name in ("ATTO_ENV", "LLM_SECRET_ARN", "LLM_BURST", "LLM_CONCURRENCY",
                  "ATTO_MAX_BODY_BYTES"):
         monkeypatch.delenv(name, raising=False)
-    _reset()
+    fresh_environment()
     with lambda_loop():
         yield emulator
-    _reset()
+    fresh_environment()
 
 
 def embed(user: str, body: Any, headers: dict[str, str] | None = None) -> Result:

@@ -20,13 +20,19 @@ import pytest
 import redis
 
 import atto_providers.fetch as fetch
-import atto_providers.llm as llm
 from local.emulator import EmulatorProcess
 from local.emulator.pages import job_posting
-from local.lambda_events import FakeContext, Result, http_event, invoke, lambda_loop
+from local.lambda_events import (
+    FakeContext,
+    Result,
+    fresh_environment,
+    http_event,
+    invoke,
+    lambda_loop,
+)
 from local.redis_servers import RedisServer
 from usage_limits.keys import provider_keys
-from usage_limits.web import idempotency, runtime, settings
+from usage_limits.web import settings
 from usage_limits.web.runtime import get_budget
 
 ROUTE = "/v1/job-extraction"
@@ -54,18 +60,10 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         monkeypatch.setenv(name, value)
     for name in ("LLM_SECRET_ARN", "PAGES_BURST", "PAGES_CONCURRENCY"):
         monkeypatch.delenv(name, raising=False)
-    _reset()
+    fresh_environment()
     with lambda_loop():
         yield emulator
-    _reset()
-
-
-def _reset() -> None:
-    settings.cache_clear()
-    runtime.set_redis(None)
-    idempotency.reset()
-    llm._client = None
-    fetch._fetcher = None
+    fresh_environment()
 
 
 @pytest.fixture
@@ -216,7 +214,7 @@ def test_refused_urls_are_400_with_a_reason_and_charge_nothing(
         reason: str) -> None:
     """With the deployed policy, each way of reaching a non-public target is a 400 with a reason."""
     monkeypatch.setenv("ATTO_ENV", "dev")  # the allowlist is ignored: the cloud's policy
-    _reset()
+    fresh_environment()
     user = user_id()
     refused(post(handler, {"url": url}, user=user), reason)
     assert used(user) == 0 and arrivals(env, "llm") == 0
@@ -226,7 +224,7 @@ def test_default_policy_refuses_the_loopback_emulator(handler: Any, env: Emulato
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside local mode the allowlist is ignored: the emulator on 127.0.0.1 is refused."""
     monkeypatch.setenv("ATTO_ENV", "dev")
-    _reset()
+    fresh_environment()
     user = user_id()
     refused(post(handler, {"url": env.job_page_url(SLUG)}, user=user), "private_address")
     assert arrivals(env, "pages") == 0 and used(user) == 0

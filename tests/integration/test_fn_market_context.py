@@ -11,12 +11,9 @@ from typing import Any
 
 import pytest
 
-import atto_providers.llm as llm
-import atto_providers.salary as salary
 from local.emulator import EmulatorProcess
-from local.lambda_events import Result, http_event, invoke, lambda_loop
+from local.lambda_events import Result, fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
-from usage_limits.web import idempotency, runtime, settings
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTE = "/v1/market-context"
@@ -30,14 +27,6 @@ def emulator() -> Iterator[EmulatorProcess]:
     """One emulator process for the module."""
     with EmulatorProcess() as emu:
         yield emu
-
-
-def _reset() -> None:
-    settings.cache_clear()
-    runtime.set_redis(None)
-    idempotency.reset()
-    llm._client = None
-    salary._client = None
 
 
 @pytest.fixture
@@ -54,10 +43,10 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
     for name in ("ATTO_ENV", "SALARY_SECRET_ARN", "LLM_SECRET_ARN", "SALARY_BURST",
                  "SALARY_CONCURRENCY", "LLM_BURST", "LLM_CONCURRENCY"):
         monkeypatch.delenv(name, raising=False)
-    _reset()
+    fresh_environment()
     with lambda_loop():
         yield emulator
-    _reset()
+    fresh_environment()
 
 
 def post(user: str, body: Any, headers: dict[str, str] | None = None) -> Result:

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import atto_providers.salary as salary
 from local.emulator import EmulatorProcess
-from local.lambda_events import Result, http_event, invoke, lambda_loop
+from local.lambda_events import Result, fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
-from usage_limits.web import idempotency, runtime, settings
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTE = "/v1/salary"
@@ -32,13 +30,6 @@ def emulator() -> Iterator[EmulatorProcess]:
         yield emu
 
 
-def _reset() -> None:
-    settings.cache_clear()
-    runtime.set_redis(None)
-    idempotency.reset()
-    salary._client = None
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
@@ -51,10 +42,10 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         monkeypatch.setenv(name, value)
     for name in ("ATTO_ENV", "SALARY_SECRET_ARN", "SALARY_BURST", "SALARY_CONCURRENCY"):
         monkeypatch.delenv(name, raising=False)
-    _reset()
+    fresh_environment()
     with lambda_loop():
         yield emulator
-    _reset()
+    fresh_environment()
 
 
 def get(user: str, query: dict[str, str], headers: dict[str, str] | None = None) -> Result:

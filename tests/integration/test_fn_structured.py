@@ -13,11 +13,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-import atto_providers.llm as llm
 from local.emulator import EmulatorProcess
-from local.lambda_events import http_event, invoke, lambda_loop
+from local.lambda_events import fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
-from usage_limits.web import idempotency, runtime, settings
 
 ROOT = Path(__file__).resolve().parents[2]
 structured = importlib.import_module("functions.structured.app")
@@ -36,13 +34,6 @@ def emulator() -> Iterator[EmulatorProcess]:
         yield emu
 
 
-def _reset() -> None:
-    settings.cache_clear()
-    runtime.set_redis(None)
-    idempotency.reset()
-    llm._client = None
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
@@ -54,10 +45,10 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("ATTO_ENV", raising=False)
     monkeypatch.delenv("LLM_SECRET_ARN", raising=False)
-    _reset()
+    fresh_environment()
     with lambda_loop():
         yield emulator
-    _reset()
+    fresh_environment()
 
 
 def ask(user: str, body: Any, headers: dict[str, str] | None = None) -> Any:

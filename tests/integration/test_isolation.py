@@ -24,7 +24,7 @@ import redis
 from redis.crc import key_slot
 
 from local.emulator import EmulatorProcess
-from local.lambda_events import invoke
+from local.lambda_events import fresh_environment, invoke
 from local.redis_servers import RedisCluster3, RedisServer
 from usage_limits.keys import safe_name, user_keys
 from usage_limits.web import settings
@@ -301,7 +301,7 @@ def topology(request: pytest.FixtureRequest, env: EmulatorProcess,
     if isinstance(server, RedisCluster3):
         monkeypatch.setenv("REDIS_URL", server.url)
         monkeypatch.setenv("REDIS_CLUSTER", "true")
-        abuse._reset()
+        fresh_environment()
     nodes = [redis.Redis(host="127.0.0.1", port=p) for p in ports]
 
     def snapshot() -> dict[str, bytes]:

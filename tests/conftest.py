@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -64,6 +65,15 @@ async def standalone_client(redis_server: RedisServer) -> AsyncIterator[aioredis
         yield client  # type: ignore[misc]
     finally:
         await client.aclose()
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[Any]:
+    """One offline provider emulator process per test module (tests reset it as needed)."""
+    from local.emulator import EmulatorProcess
+
+    with EmulatorProcess() as emu:
+        yield emu
 
 
 @pytest.fixture

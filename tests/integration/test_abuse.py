@@ -86,13 +86,6 @@ def ids(routes: list[Route]) -> list[str]:
     return [r.name for r in routes]
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[EmulatorProcess]:
-    """One emulator process for the module."""
-    with EmulatorProcess() as emu:
-        yield emu
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:

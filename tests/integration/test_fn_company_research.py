@@ -22,13 +22,6 @@ ROUTE = "/v1/company-research"
 COST = 20
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[EmulatorProcess]:
-    """One emulator process for the module."""
-    with EmulatorProcess() as emu:
-        yield emu
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:

@@ -25,13 +25,6 @@ embeddings_fn = importlib.import_module("functions.embeddings.app")
 usage_fn = importlib.import_module("functions.usage.app")
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[EmulatorProcess]:
-    """One emulator process for the module."""
-    with EmulatorProcess() as emu:
-        yield emu
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:

@@ -40,13 +40,6 @@ COST = 10
 SLUG = "senior-python-developer-leeds"
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[EmulatorProcess]:
-    """One emulator process for the module."""
-    with EmulatorProcess() as emu:
-        yield emu
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:

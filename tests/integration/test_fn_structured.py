@@ -27,13 +27,6 @@ SCHEMA = {"type": "object",
           "required": ["title", "skills", "seniority"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[EmulatorProcess]:
-    """One emulator process for the module."""
-    with EmulatorProcess() as emu:
-        yield emu
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
         emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:

@@ -33,7 +33,7 @@ abuse = importlib.import_module("tests.integration.test_abuse")
 Route, ROUTES, METERED, USAGE = abuse.Route, abuse.ROUTES, abuse.METERED, abuse.USAGE
 call, event, ledger, upstream, new_user, ids = (abuse.call, abuse.event, abuse.ledger,
                                                  abuse.upstream, abuse.new_user, abuse.ids)
-emulator, env = abuse.emulator, abuse.env  # the same fixtures, one emulator per module
+env = abuse.env  # the same fixture (the emulator is conftest's, one per module)
 EMBEDDINGS, MARKET = ROUTES[1], ROUTES[5]
 
 

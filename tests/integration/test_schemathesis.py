@@ -87,13 +87,6 @@ def _reset() -> None:
 
 
 @pytest.fixture(scope="module")
-def emulator() -> Iterator[EmulatorProcess]:
-    """One emulator process for the module, with no failures or limits configured."""
-    with EmulatorProcess() as emu:
-        yield emu
-
-
-@pytest.fixture(scope="module")
 def local_env(redis_server: RedisServer, emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
     """Local mode, real Redis, every provider on the emulator, throttles that never wait."""
     emulator.reset()

@@ -11,7 +11,6 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +62,6 @@ def stop_serve(served: Served) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(served.proc.pid, signal.SIGKILL)
         served.proc.wait(5)
-
-
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[EmulatorProcess]:
-    """One emulator for this module, reset per test."""
-    with EmulatorProcess() as emu:
-        yield emu
 
 
 async def fire(url: str, requests: list[tuple[str, dict[str, Any]]]) -> list[httpx.Response]:

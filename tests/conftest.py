@@ -7,9 +7,10 @@ topologies) and unique ids (``uid``) so tests never share keys.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 import pytest
 import redis.asyncio as aioredis
@@ -89,3 +90,33 @@ def _forget_pending_refunds() -> Iterator[None]:
     from usage_limits.web import refunds
 
     refunds.clear()
+
+
+class StartEnvironment(Protocol):
+    """``lambda_env(values, unset=...)``: see the fixture."""
+
+    def __call__(self, values: Mapping[str, str], *, unset: Iterable[str] = ()) -> None: ...
+
+
+@pytest.fixture
+def lambda_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[StartEnvironment]:
+    """Set a function's environment variables and start it as a fresh Lambda environment.
+
+    The test then calls handlers on one event loop, as Mangum does in Lambda; settings,
+    clients and singletons are made again from the variables given here.
+    """
+    from local.lambda_events import fresh_environment, lambda_loop
+
+    stack = contextlib.ExitStack()
+
+    def start(values: Mapping[str, str], *, unset: Iterable[str] = ()) -> None:
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+        for name in unset:
+            monkeypatch.delenv(name, raising=False)
+        fresh_environment()
+        stack.enter_context(lambda_loop())
+
+    yield start
+    stack.close()
+    fresh_environment()

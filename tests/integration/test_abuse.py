@@ -22,15 +22,18 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from local.emulator import EmulatorProcess
-from local.lambda_events import Result, fresh_environment, http_event, invoke, lambda_loop
+from local.lambda_events import Result, fresh_environment, http_event, invoke
 from local.redis_servers import RedisServer, free_port
 from usage_limits.web import observability as obs
 from usage_limits.web import runtime, settings
+
+if TYPE_CHECKING:
+    from tests.conftest import StartEnvironment
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}},
           "required": ["title"], "additionalProperties": False}
@@ -87,27 +90,23 @@ def ids(routes: list[Route]) -> list[str]:
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
-        emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
+def env(lambda_env: StartEnvironment, redis_server: RedisServer,
+        emulator: EmulatorProcess) -> EmulatorProcess:
     """Every provider on the emulator, real Redis, a 1000/1h plan, fresh clients, not local."""
     emulator.reset()
-    for name, value in {
+    lambda_env({
         "REDIS_URL": redis_server.url, "ATTO_BUDGET": "1000/1h",
         "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "test-llm-key",
         "SEARCH_BASE_URL": emulator.tavily_base_url, "SEARCH_API_KEY": "test-search-key",
         "SALARY_BASE_URL": emulator.adzuna_base_url, "SALARY_APP_ID": "test-app",
         "SALARY_APP_KEY": "test-app-key",
         "LLM_RATE": "1000/s", "SEARCH_RATE": "1000/s", "SALARY_RATE": "1000/s",
-    }.items():
-        monkeypatch.setenv(name, value)
-    for name in ("ATTO_ENV", "ATTO_MAX_BODY_BYTES", "REDIS_CLUSTER", "LOG_LEVEL",
-                 "PAGES_ALLOW_PRIVATE_HOSTS", *(f"{p}_{s}" for p in ("LLM", "SEARCH", "SALARY")
-                                                for s in ("SECRET_ARN", "BURST", "CONCURRENCY"))):
-        monkeypatch.delenv(name, raising=False)
-    fresh_environment()
-    with lambda_loop():
-        yield emulator
-    fresh_environment()
+    }, unset=(
+        "ATTO_ENV", "ATTO_MAX_BODY_BYTES", "REDIS_CLUSTER", "LOG_LEVEL",
+        "PAGES_ALLOW_PRIVATE_HOSTS", *(f"{p}_{s}" for p in ("LLM", "SEARCH", "SALARY")
+        for s in ("SECRET_ARN", "BURST", "CONCURRENCY")),
+    ))
+    return emulator
 
 
 @pytest.fixture

@@ -6,41 +6,39 @@ import asyncio
 import importlib
 import logging
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import atto_providers.search as search
 from local.emulator import EmulatorProcess
-from local.lambda_events import Result, fresh_environment, http_event, invoke, lambda_loop
+from local.lambda_events import Result, fresh_environment, http_event, invoke
 from local.redis_servers import RedisServer
 from usage_limits.web import settings
 from usage_limits.web.runtime import get_budget
+
+if TYPE_CHECKING:
+    from tests.conftest import StartEnvironment
 
 ROUTE = "/v1/company-research"
 COST = 20
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
-        emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
+def env(lambda_env: StartEnvironment, redis_server: RedisServer,
+        emulator: EmulatorProcess) -> EmulatorProcess:
     """Provider URLs and keys pointing at the emulator, fast throttles, fresh clients."""
     emulator.reset()
-    for name, value in {
+    lambda_env({
         "REDIS_URL": redis_server.url, "ATTO_BUDGET": "1000/1h",
         "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "test-llm-key",
         "SEARCH_BASE_URL": emulator.tavily_base_url, "SEARCH_API_KEY": "test-search-key",
         "LLM_RATE": "1000/s", "SEARCH_RATE": "1000/s",
-    }.items():
-        monkeypatch.setenv(name, value)
-    for name in ("ATTO_ENV", "LLM_SECRET_ARN", "SEARCH_SECRET_ARN", "SEARCH_BURST",
-                 "SEARCH_CONCURRENCY"):
-        monkeypatch.delenv(name, raising=False)
-    fresh_environment()
-    with lambda_loop():
-        yield emulator
-    fresh_environment()
+    }, unset=(
+        "ATTO_ENV", "LLM_SECRET_ARN", "SEARCH_SECRET_ARN", "SEARCH_BURST",
+        "SEARCH_CONCURRENCY",
+    ))
+    return emulator
 
 
 @pytest.fixture

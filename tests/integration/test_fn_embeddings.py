@@ -6,17 +6,19 @@ import importlib
 import json
 import math
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import atto_providers.llm as llm
 from local.emulator import EmulatorProcess
-from local.lambda_events import Result, fresh_environment, http_event, invoke, lambda_loop
+from local.lambda_events import Result, http_event, invoke
 from local.redis_servers import RedisServer
 from usage_limits.web import settings
+
+if TYPE_CHECKING:
+    from tests.conftest import StartEnvironment
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTE = "/v1/embeddings"
@@ -26,21 +28,19 @@ usage_fn = importlib.import_module("functions.usage.app")
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
-        emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
+def env(lambda_env: StartEnvironment, redis_server: RedisServer,
+        emulator: EmulatorProcess) -> EmulatorProcess:
     """Real Redis, the emulator as the LLM, a 100/1h plan, fresh clients."""
     emulator.reset()
-    for name, value in {"REDIS_URL": redis_server.url, "ATTO_BUDGET": "100/1h",
-                        "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "test-key",
-                        "LLM_RATE": "1000/s"}.items():
-        monkeypatch.setenv(name, value)
-    for name in ("ATTO_ENV", "LLM_SECRET_ARN", "LLM_BURST", "LLM_CONCURRENCY",
-                 "ATTO_MAX_BODY_BYTES"):
-        monkeypatch.delenv(name, raising=False)
-    fresh_environment()
-    with lambda_loop():
-        yield emulator
-    fresh_environment()
+    lambda_env({
+        "REDIS_URL": redis_server.url, "ATTO_BUDGET": "100/1h",
+        "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "test-key",
+        "LLM_RATE": "1000/s",
+    }, unset=(
+        "ATTO_ENV", "LLM_SECRET_ARN", "LLM_BURST", "LLM_CONCURRENCY",
+        "ATTO_MAX_BODY_BYTES",
+    ))
+    return emulator
 
 
 def embed(user: str, body: Any, headers: dict[str, str] | None = None) -> Result:

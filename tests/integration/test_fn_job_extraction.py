@@ -12,7 +12,7 @@ import importlib
 import socket
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -28,12 +28,14 @@ from local.lambda_events import (
     fresh_environment,
     http_event,
     invoke,
-    lambda_loop,
 )
 from local.redis_servers import RedisServer
 from usage_limits.keys import provider_keys
 from usage_limits.web import settings
 from usage_limits.web.runtime import get_budget
+
+if TYPE_CHECKING:
+    from tests.conftest import StartEnvironment
 
 ROUTE = "/v1/job-extraction"
 COST = 10
@@ -41,22 +43,18 @@ SLUG = "senior-python-developer-leeds"
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
-        emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
+def env(lambda_env: StartEnvironment, redis_server: RedisServer,
+        emulator: EmulatorProcess) -> EmulatorProcess:
     """Local mode, the emulator allowlisted, fast throttles, fresh clients and settings."""
     emulator.reset()
-    for name, value in {
+    lambda_env({
         "REDIS_URL": redis_server.url, "ATTO_BUDGET": "1000/1h", "ATTO_ENV": "local",
         "PAGES_ALLOW_PRIVATE_HOSTS": "127.0.0.1", "LLM_BASE_URL": emulator.openai_base_url,
         "LLM_API_KEY": "test-key", "LLM_RATE": "1000/s", "PAGES_RATE": "1000/s",
-    }.items():
-        monkeypatch.setenv(name, value)
-    for name in ("LLM_SECRET_ARN", "PAGES_BURST", "PAGES_CONCURRENCY"):
-        monkeypatch.delenv(name, raising=False)
-    fresh_environment()
-    with lambda_loop():
-        yield emulator
-    fresh_environment()
+    }, unset=(
+        "LLM_SECRET_ARN", "PAGES_BURST", "PAGES_CONCURRENCY",
+    ))
+    return emulator
 
 
 @pytest.fixture

@@ -6,14 +6,17 @@ import importlib
 import json
 import logging
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from local.emulator import EmulatorProcess
-from local.lambda_events import Result, fresh_environment, http_event, invoke, lambda_loop
+from local.lambda_events import Result, http_event, invoke
 from local.redis_servers import RedisServer
+
+if TYPE_CHECKING:
+    from tests.conftest import StartEnvironment
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTE = "/v1/salary"
@@ -24,21 +27,19 @@ usage_fn = importlib.import_module("functions.usage.app")
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
-        emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
+def env(lambda_env: StartEnvironment, redis_server: RedisServer,
+        emulator: EmulatorProcess) -> EmulatorProcess:
     """Real Redis, the emulator as Adzuna, a 100/1h plan, a fast throttle, fresh clients."""
     emulator.reset()
-    for name, value in {"REDIS_URL": redis_server.url, "ATTO_BUDGET": "100/1h",
-                        "SALARY_BASE_URL": emulator.adzuna_base_url,
-                        "SALARY_APP_ID": "test-app", "SALARY_APP_KEY": APP_KEY,
-                        "SALARY_RATE": "1000/s"}.items():
-        monkeypatch.setenv(name, value)
-    for name in ("ATTO_ENV", "SALARY_SECRET_ARN", "SALARY_BURST", "SALARY_CONCURRENCY"):
-        monkeypatch.delenv(name, raising=False)
-    fresh_environment()
-    with lambda_loop():
-        yield emulator
-    fresh_environment()
+    lambda_env({
+        "REDIS_URL": redis_server.url, "ATTO_BUDGET": "100/1h",
+        "SALARY_BASE_URL": emulator.adzuna_base_url,
+        "SALARY_APP_ID": "test-app", "SALARY_APP_KEY": APP_KEY,
+        "SALARY_RATE": "1000/s",
+    }, unset=(
+        "ATTO_ENV", "SALARY_SECRET_ARN", "SALARY_BURST", "SALARY_CONCURRENCY",
+    ))
+    return emulator
 
 
 def get(user: str, query: dict[str, str], headers: dict[str, str] | None = None) -> Result:

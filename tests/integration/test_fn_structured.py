@@ -6,16 +6,18 @@ from __future__ import annotations
 import importlib
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import pytest
 
 from local.emulator import EmulatorProcess
-from local.lambda_events import fresh_environment, http_event, invoke, lambda_loop
+from local.lambda_events import http_event, invoke
 from local.redis_servers import RedisServer
+
+if TYPE_CHECKING:
+    from tests.conftest import StartEnvironment
 
 ROOT = Path(__file__).resolve().parents[2]
 structured = importlib.import_module("functions.structured.app")
@@ -28,20 +30,18 @@ SCHEMA = {"type": "object",
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
-        emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
+def env(lambda_env: StartEnvironment, redis_server: RedisServer,
+        emulator: EmulatorProcess) -> EmulatorProcess:
     """The handlers' environment: real Redis, the emulator as the LLM, a 100/1h plan."""
     emulator.reset()
-    for name, value in {"REDIS_URL": redis_server.url, "ATTO_BUDGET": "100/1h",
-                        "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "test-key",
-                        "LLM_RATE": "1000/s"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("ATTO_ENV", raising=False)
-    monkeypatch.delenv("LLM_SECRET_ARN", raising=False)
-    fresh_environment()
-    with lambda_loop():
-        yield emulator
-    fresh_environment()
+    lambda_env({
+        "REDIS_URL": redis_server.url, "ATTO_BUDGET": "100/1h",
+        "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "test-key",
+        "LLM_RATE": "1000/s",
+    }, unset=(
+        "ATTO_ENV", "LLM_SECRET_ARN",
+    ))
+    return emulator
 
 
 def ask(user: str, body: Any, headers: dict[str, str] | None = None) -> Any:

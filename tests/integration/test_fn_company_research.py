@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import logging
 import uuid
@@ -14,8 +13,7 @@ import atto_providers.search as search
 from local.emulator import EmulatorProcess
 from local.lambda_events import Result, fresh_environment, http_event, invoke
 from local.redis_servers import RedisServer
-from usage_limits.web import settings
-from usage_limits.web.runtime import get_budget
+from tests.ledger import used
 
 if TYPE_CHECKING:
     from tests.conftest import StartEnvironment
@@ -50,15 +48,6 @@ def handler(env: EmulatorProcess) -> Any:
 def post(handler: Any, body: Any, *, user: str,
          headers: dict[str, str] | None = None) -> Result:
     return invoke(handler, http_event("POST", ROUTE, body=body, user=user, headers=headers))
-
-
-def used(user: str) -> int:
-    """Tokens the user has spent in the shortest window."""
-    async def read() -> int:
-        report = await get_budget(settings().plan).usage(user)
-        return int(report.windows[0].used)
-
-    return asyncio.get_event_loop().run_until_complete(read())
 
 
 def arrivals(emu: EmulatorProcess, family: str) -> int:

@@ -30,9 +30,8 @@ from local.lambda_events import (
     invoke,
 )
 from local.redis_servers import RedisServer
+from tests.ledger import used
 from usage_limits.keys import provider_keys
-from usage_limits.web import settings
-from usage_limits.web.runtime import get_budget
 
 if TYPE_CHECKING:
     from tests.conftest import StartEnvironment
@@ -67,15 +66,6 @@ def post(handler: Any, body: Any, *, user: str, headers: dict[str, str] | None =
          context: FakeContext | None = None) -> Result:
     return invoke(handler, http_event("POST", ROUTE, body=body, user=user, headers=headers),
                   context)
-
-
-def used(user: str) -> int:
-    """Tokens the user has spent in the shortest window."""
-    async def read() -> int:
-        report = await get_budget(settings().plan).usage(user)
-        return int(report.windows[0].used)
-
-    return asyncio.get_event_loop().run_until_complete(read())
 
 
 def arrivals(emu: EmulatorProcess, family: str) -> int:

@@ -13,6 +13,7 @@ import pytest
 from local.emulator import EmulatorProcess
 from local.lambda_events import Result, http_event, invoke
 from local.redis_servers import RedisServer
+from tests.ledger import used
 
 if TYPE_CHECKING:
     from tests.conftest import StartEnvironment
@@ -45,12 +46,6 @@ def env(lambda_env: StartEnvironment, redis_server: RedisServer,
 def post(user: str, body: Any, headers: dict[str, str] | None = None) -> Result:
     return invoke(market_fn.handler,
                   http_event("POST", ROUTE, body=body, user=user, headers=headers))
-
-
-def used(user: str) -> int:
-    """Tokens the user has spent in the plan's window, as GET /v1/usage reports them."""
-    report = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user))
-    return int(report.body["windows"][0]["used"])
 
 
 def arrivals(emu: EmulatorProcess, family: str) -> int:

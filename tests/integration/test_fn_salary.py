@@ -14,6 +14,7 @@ import pytest
 from local.emulator import EmulatorProcess
 from local.lambda_events import Result, http_event, invoke
 from local.redis_servers import RedisServer
+from tests.ledger import used
 
 if TYPE_CHECKING:
     from tests.conftest import StartEnvironment
@@ -45,12 +46,6 @@ def env(lambda_env: StartEnvironment, redis_server: RedisServer,
 def get(user: str, query: dict[str, str], headers: dict[str, str] | None = None) -> Result:
     return invoke(salary_fn.handler,
                   http_event("GET", ROUTE, query=query, user=user, headers=headers))
-
-
-def used(user: str) -> int:
-    """Tokens the user has spent in the plan's window, as GET /v1/usage reports them."""
-    report = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user))
-    return int(report.body["windows"][0]["used"])
 
 
 def arrivals(emu: EmulatorProcess) -> int:

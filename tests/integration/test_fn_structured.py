@@ -15,6 +15,7 @@ import pytest
 from local.emulator import EmulatorProcess
 from local.lambda_events import http_event, invoke
 from local.redis_servers import RedisServer
+from tests.ledger import used
 
 if TYPE_CHECKING:
     from tests.conftest import StartEnvironment
@@ -47,11 +48,6 @@ def env(lambda_env: StartEnvironment, redis_server: RedisServer,
 def ask(user: str, body: Any, headers: dict[str, str] | None = None) -> Any:
     return invoke(structured.handler, http_event("POST", "/v1/structured", body=body, user=user,
                                                  headers=headers))
-
-
-def used(user: str) -> int:
-    res = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user))
-    return res.body["windows"][0]["used"]
 
 
 def test_answer_is_valid_for_the_schema_and_charged_8(env: EmulatorProcess) -> None:

@@ -18,12 +18,14 @@ if TYPE_CHECKING:
 _client: Any = None
 _client_loop: asyncio.AbstractEventLoop | None = None
 _injected: Any = None
+_budgets: dict[tuple[int, tuple[tuple[int, int], ...]], TokenBudget] = {}
 
 
 def set_redis(client: Any) -> None:
     """Use ``client`` for every request of this process (tests, custom wiring); None resets."""
     global _injected, _client, _client_loop
     _injected, _client, _client_loop = client, None, None
+    _budgets.clear()
 
 
 def get_redis() -> Any:
@@ -44,8 +46,16 @@ def get_redis() -> Any:
 
 
 def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
-    """A ledger over the shared client for the given plan (cheap: no I/O)."""
+    """The ledger over the shared client for the given plan, made once per client and plan
+    (a TokenBudget encodes its plan's script arguments when it is made)."""
     from ..budget import TokenBudget, Window
 
-    return TokenBudget(get_redis(), windows=[Window(limit=limit, seconds=seconds)
-                                             for limit, seconds in windows])
+    client = get_redis()
+    key = (id(client), windows)
+    budget = _budgets.get(key)
+    if budget is None or budget.redis is not client:
+        budget = TokenBudget(client, windows=[Window(limit=limit, seconds=seconds)
+                                              for limit, seconds in windows])
+        _budgets.clear()  # one client and one plan per environment: keep only the current
+        _budgets[key] = budget
+    return budget

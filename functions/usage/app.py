@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from pydantic import BaseModel, Field
 
-from usage_limits.web import create_app, current_user, lambda_handler, settings
+from usage_limits.web import create_app, current_user, identity, lambda_handler
 from usage_limits.web.runtime import get_budget
 
 app = create_app("Atto Cloud: usage")
@@ -41,18 +41,21 @@ class SpendEventOut(BaseModel):
 
 class UsageOut(BaseModel):
     user_id: str
+    plan: str = Field(description="The name of the caller's plan.")
     windows: list[WindowOut]
     events: list[SpendEventOut] = Field(description="Most recent charges first.")
     prices: dict[str, int] = Field(description="Tokens per metered route.")
 
 
 @app.get("/v1/usage")
-async def usage(user: str = Depends(current_user)) -> UsageOut:
+async def usage(request: Request, user: str = Depends(current_user)) -> UsageOut:
     """What the caller has spent, what is left, and what each route costs."""
-    ledger = get_budget(settings().plan)
+    plan = identity.plan(request).plan
+    ledger = get_budget(plan.windows)
     report = await ledger.usage(user)
     return UsageOut(
         user_id=user,
+        plan=plan.name,
         windows=[WindowOut(limit=w.limit, used=w.used, remaining=w.remaining,
                            window_s=int(w.window_s), resets_at=w.resets_at)
                  for w in report.windows],

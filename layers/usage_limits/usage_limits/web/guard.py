@@ -124,7 +124,7 @@ def require_tokens(
         state.route_cost = cost
         user = current_user(request)
         rid = identity.request_id(request)
-        plan = settings().plan
+        plan = identity.plan(request).plan.windows
         budget = runtime.get_budget(plan)
         name = route or _route_path(request)
         try:
@@ -133,8 +133,7 @@ def require_tokens(
             # Redis may have made the charge and lost only its reply (a kill or a timeout
             # after the script ran): refund it later, when Redis answers again. A refund of
             # a charge that was never made removes nothing.
-            refunds.keep(Charge(budget, user, rid, cost, None),
-                         max(seconds for _, seconds in plan))
+            refunds.keep(Charge(budget, user, rid, cost, None), settings().plans.longest_s)
             raise LimiterUnavailableError(
                 "the usage limiter is unavailable; nothing was charged",
                 headers=retry_after_header(1)) from exc

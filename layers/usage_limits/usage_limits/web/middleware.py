@@ -106,7 +106,7 @@ class UsageLimitsMiddleware:
                         obs.count(obs.TOKENS_REFUNDED, cost)
                 except Exception:  # the response is already out: retry before the next request
                     log.exception("refund failed; kept to retry before the next request")
-                    refunds.keep(charge, max(seconds for _, seconds in settings().plan))
+                    refunds.keep(charge, settings().plans.longest_s)
             if record is not None:
                 try:
                     if 200 <= status < 300:

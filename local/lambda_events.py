@@ -113,9 +113,11 @@ def fresh_environment() -> None:
     """
     import sys
 
+    from usage_limits.entitlements.store import set_store
     from usage_limits.web import idempotency, refunds, runtime, settings
 
     settings.cache_clear()
+    set_store(None)
     runtime.set_redis(None)
     idempotency.reset()
     refunds.clear()

@@ -158,11 +158,13 @@ class SupportRefund:
 
     Attributes:
         request_id: the ledger's id of the charge.
+        claimed: the charge's cost when the refund was asked for, tokens.
         tokens: tokens given back (None while the refund is being made).
         change: who asked for it, why and when.
     """
 
     request_id: str
+    claimed: int
     tokens: int | None
     change: Change
 

@@ -424,11 +424,13 @@ class EntitlementStore:
         if item is None:
             return None
         tokens = item.get("tokens")
-        return SupportRefund(request_id, None if tokens is None else int(tokens), _change(item))
+        return SupportRefund(request_id, int(item.get("claimed", 0)),
+                             None if tokens is None else int(tokens), _change(item))
 
-    def claim_support_refund(self, user_id: str, request_id: str, *, actor: str, reason: str,
-                             now_ms: int | None = None) -> tuple[SupportRefund, bool]:
-        """Claim the one support refund of a charge, before the ledger is touched.
+    def claim_support_refund(self, user_id: str, request_id: str, *, claimed: int, actor: str,
+                             reason: str, now_ms: int | None = None) -> tuple[SupportRefund, bool]:
+        """Claim the one support refund of a charge of ``claimed`` tokens, before the ledger
+        is touched.
 
         Returns:
             The claim and True when this call made it; the existing record and False when
@@ -439,7 +441,7 @@ class EntitlementStore:
 
         change = Change(actor, check_reason(reason), now_ms or _now_ms())
         item = {"pk": _pk(user_id), "sk": _REFUND + _check_request_id(request_id),
-                "request_id": request_id, **_change_attrs(change)}
+                "request_id": request_id, "claimed": claimed, **_change_attrs(change)}
         try:
             self._call(self.client.put_item, TableName=self.table, Item=self._ser(item),
                        ConditionExpression="attribute_not_exists(pk)")
@@ -448,7 +450,7 @@ class EntitlementStore:
             if existing is None:
                 raise StoreUnavailable("the refund claim vanished") from exc
             return existing, False
-        return SupportRefund(request_id, None, change), True
+        return SupportRefund(request_id, claimed, None, change), True
 
     def finish_support_refund(self, claim: SupportRefund, user_id: str, tokens: int) -> \
             SupportRefund:
@@ -466,7 +468,7 @@ class EntitlementStore:
             existing = self.support_refund(user_id, claim.request_id)
             if existing is not None:
                 return existing
-        return SupportRefund(claim.request_id, tokens, claim.change)
+        return SupportRefund(claim.request_id, claim.claimed, tokens, claim.change)
 
     def drop_support_refund(self, claim: SupportRefund, user_id: str) -> None:
         """Forget an unfinished claim whose charge was not in the ledger (nothing changed)."""
@@ -485,3 +487,29 @@ class EntitlementStore:
         client.create_table(TableName=self.table, **TABLE_DEFINITION)
         client.get_waiter("table_exists").wait(TableName=self.table,
                                                WaiterConfig={"Delay": 0.1, "MaxAttempts": 100})
+
+
+_store: EntitlementStore | None = None
+
+
+def default_store() -> EntitlementStore:
+    """The process's store, made on first use from the environment (one per environment).
+
+    Raises:
+        StoreUnavailable: the store is not configured (``ATTO_ENTITLEMENTS_TABLE`` unset):
+            a deployment mistake, not the caller's.
+    """
+    global _store
+    if _store is None:
+        try:
+            _store = EntitlementStore(store_settings())
+        except InvalidArgument as exc:
+            raise StoreUnavailable(f"the entitlements store is misconfigured: {exc}") from exc
+    return _store
+
+
+def set_store(store: EntitlementStore | None) -> None:
+    """Use ``store`` for every call of this process (tests, custom wiring); None resets."""
+    global _store
+    _store = store
+    store_settings.cache_clear()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
-from .errors import InvalidRequest, Unauthorized
+from .errors import Forbidden, InvalidRequest, Unauthorized
 from .settings import settings
 
 if TYPE_CHECKING:
@@ -99,6 +99,27 @@ def plan(request: Request, override: str | None = None) -> ResolvedPlan:
         log.warning("plan claim names no plan; using the default plan",
                     extra={"claim": resolved.unknown_claim, "plan": resolved.plan.name})
     return resolved
+
+
+def operator_principal(request: Request) -> str:
+    """Who is calling an operator route: the IAM principal API Gateway verified.
+
+    HTTP API's ``AWS_IAM`` authorization puts the signer in ``requestContext.authorizer.iam``
+    (``userArn``). JWT claims are never read here. In local mode, where nothing signs,
+    the principal is ``local``.
+
+    Raises:
+        Forbidden: outside local mode, the request carries no IAM principal.
+    """
+    event = request.scope.get("aws.event") or {}
+    authorizer = (event.get("requestContext") or {}).get("authorizer") or {}
+    iam = authorizer.get("iam") if isinstance(authorizer, dict) else None
+    arn = iam.get("userArn") if isinstance(iam, dict) else None
+    if isinstance(arn, str) and arn.strip():
+        return arn
+    if settings().local:
+        return "local"
+    raise Forbidden("operator routes need a request signed with AWS credentials (IAM)")
 
 
 def request_id(request: Request) -> str:

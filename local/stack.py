@@ -81,8 +81,7 @@ def _local_aws_defaults(env: dict[str, str], started: dict[str, str]) -> None:
     """A region, and stand-in credentials when none are configured (the local DynamoDB
     accepts any; real ones are left alone)."""
     if not env.get("AWS_DEFAULT_REGION") and not env.get("AWS_REGION"):
-        started["AWS_DEFAULT_REGION"] = "us-east-1"
-        env["AWS_DEFAULT_REGION"] = "us-east-1"
+        started["AWS_DEFAULT_REGION"] = env["AWS_DEFAULT_REGION"] = "us-east-1"
     if not env.get("AWS_ACCESS_KEY_ID") and not env.get("AWS_PROFILE"):
-        started["AWS_ACCESS_KEY_ID"] = "local"
-        started["AWS_SECRET_ACCESS_KEY"] = "local"
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            started[name] = env[name] = "local"

@@ -219,9 +219,21 @@ class LoopbackSignIn:
         self.interactive = interactive
         self.timeout_s = timeout_s
         self.extra_params = dict(extra_params or {})
+        self._owns_http = http is None
         self._http = http or httpx.Client(timeout=15.0)
         self._clock = clock
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the HTTP connections to the token endpoint (only a client made here)."""
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> LoopbackSignIn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- the browser flow ---------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .models import CreditBalance
-    from .ratelimit import RateLimitStatus
+    from .ratelimit import RateLimitStatus, RateLimitWindow
 
 
 class AttoError(Exception):
@@ -129,6 +129,7 @@ class BudgetExceeded(ApiError):
         limit: tokens the refusing window allows.
         remaining: tokens left in it.
         window_s: its length in seconds.
+        window: that window in the answer's RateLimit headers (name, reset), if present.
         cost: what the refused request costs.
         credit: the credit balance, when the server reports one.
     """
@@ -150,6 +151,14 @@ class BudgetExceeded(ApiError):
     @property
     def cost(self) -> int | None:
         return _int(self.details.get("cost"))
+
+    @property
+    def window(self) -> RateLimitWindow | None:
+        """The refusing window as the answer's RateLimit headers describe it (its name,
+        e.g. ``"1h"``, and its reset), matched by length; None without the headers."""
+        if self.rate_limit is None:
+            return None
+        return next((w for w in self.rate_limit.windows if w.window_s == self.window_s), None)
 
     @property
     def credit(self) -> CreditBalance | None:

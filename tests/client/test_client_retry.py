@@ -254,6 +254,7 @@ def test_ratelimit_headers_of_the_last_answer_are_data() -> None:
         atto.structured("x", {})
     assert atto.rate_limit.remaining == 4 and raised.value.rate_limit == atto.rate_limit
     assert (raised.value.limit, raised.value.remaining, raised.value.window_s) == (20, 4, 60)
+    assert raised.value.window.name == "1m" and raised.value.window.remaining == 4
     atto.usage()
     assert atto.rate_limit.window("1m").remaining == 4
     assert atto.rate_limit.window("1m").fraction_left == pytest.approx(0.2)

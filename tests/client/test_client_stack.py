@@ -145,6 +145,7 @@ def test_budget_exceeded_is_typed_with_its_window_and_not_retried(served: Served
     error = raised.value
     assert (error.status, error.code) == (429, "budget_exceeded")
     assert (error.limit, error.remaining, error.window_s, error.cost) == (100, 4, 3600, 8)
+    assert error.window.name == "1h" and error.window.limit == 100
     assert 3500 < error.retry_after_s <= 3600
     assert error.attempts == 1 and slept == []
     assert status.window("1h").remaining == 4 and status.remaining == 4

@@ -17,10 +17,12 @@ The flow of RFC 8252 (OAuth 2.0 for native apps) with RFC 7636 (PKCE, ``S256``):
     signin = LoopbackSignIn(OIDCEndpoints.cognito("atto-dev-123.auth.eu-west-1.amazoncognito.com"),
                             client_id="...", port=53682)
     client = AttoClient(API_URL, token_provider=signin.access_token)
+    # or AsyncAttoClient(API_URL, token_provider=signin.access_token_async)
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
@@ -314,6 +316,15 @@ class LoopbackSignIn:
             if not self.interactive:
                 raise SignInError("not signed in (or the session expired): sign in first")
             return self.sign_in().access_token
+
+    async def access_token_async(self, force_refresh: bool = False) -> str:
+        """``access_token`` in a worker thread: the token provider for ``AsyncAttoClient``
+        (a refresh, or a sign-in waiting for the browser, never blocks the event loop).
+
+        Raises:
+            SignInError: as ``access_token``.
+        """
+        return await asyncio.to_thread(self.access_token, force_refresh)
 
     def sign_out(self) -> None:
         """Forget the tokens, revoking the refresh token first when the provider can."""

@@ -3,6 +3,7 @@ browser flow, the state check, the code exchange, refresh, sign-out and the toke
 
 from __future__ import annotations
 
+import asyncio
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 from atto_cloud_client import (
+    AsyncAttoClient,
     AttoClient,
     FileTokenStore,
     LoopbackSignIn,
@@ -198,6 +200,25 @@ def test_the_client_uses_sign_in_as_its_token_provider(provider: OIDCStandIn,
     api.queue("GET /v1/usage", error(401, "unauthorized", "token revoked"))
     with AttoClient(transport=api.transport, token_provider=signin.access_token) as atto:
         atto.usage()
+    sent = [r.headers["authorization"] for r in api.requests]
+    assert sent == [f"Bearer {first}", f"Bearer {provider.access_tokens[1]}"]
+
+
+def test_the_async_client_uses_sign_in_without_blocking(provider: OIDCStandIn,
+                                                        tmp_path: Path) -> None:
+    """AsyncAttoClient with access_token_async sends the token and, after a 401, the
+    refreshed one."""
+    signin = signin_for(provider, tmp_path, [])
+    first = signin.sign_in().access_token
+    api = MockApi()
+    api.queue("GET /v1/usage", error(401, "unauthorized", "token revoked"))
+
+    async def run() -> None:
+        async with AsyncAttoClient(transport=api.transport,
+                                   token_provider=signin.access_token_async) as atto:
+            await atto.usage()
+
+    asyncio.run(run())
     sent = [r.headers["authorization"] for r in api.requests]
     assert sent == [f"Bearer {first}", f"Bearer {provider.access_tokens[1]}"]
 

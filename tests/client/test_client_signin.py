@@ -4,6 +4,7 @@ browser flow, the state check, the code exchange, refresh, sign-out and the toke
 from __future__ import annotations
 
 import asyncio
+import socket
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -97,6 +98,16 @@ def test_a_fixed_port_is_used_for_providers_that_match_exactly(provider: OIDCSta
     signin_for(provider, tmp_path, opened, port=port, redirect_host="localhost").sign_in()
     query = parse_qs(urlsplit(opened[0]).query)
     assert query["redirect_uri"] == [f"http://localhost:{port}/callback"]
+
+
+def test_a_busy_fixed_port_is_a_sign_in_error(provider: OIDCStandIn, tmp_path: Path) -> None:
+    """When the registered port is taken, sign-in fails clearly and no browser opens."""
+    opened: list[str] = []
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SignInError, match=f"cannot listen on 127.0.0.1:{port}"):
+            signin_for(provider, tmp_path, opened, port=port).sign_in()
+    assert opened == []
 
 
 def test_a_redirect_with_the_wrong_state_is_refused(provider: OIDCStandIn,

@@ -154,15 +154,19 @@ def _str(value: Any) -> str | None:
 
 
 def _json_objects(text: str) -> list[dict[str, Any]]:
+    """The JSON objects written in ``text`` (outermost only, each read once)."""
     decoder = json.JSONDecoder()
     out: list[dict[str, Any]] = []
-    for match in re.finditer(r"\{", text):
+    start = text.find("{")
+    while start >= 0:
         try:
-            value, _ = decoder.raw_decode(text, match.start())
+            value, end = decoder.raw_decode(text, start)
         except ValueError:
-            continue
-        if isinstance(value, dict) and len(value) >= 2:
-            out.append(value)
+            end = start + 1
+        else:
+            if isinstance(value, dict) and len(value) >= 2:
+                out.append(value)
+        start = text.find("{", end)
     return out
 
 

@@ -27,7 +27,6 @@ from .text import (
     keywords,
     pick,
     rng_for,
-    sentence,
     slugify,
     titlecase,
 )
@@ -155,15 +154,14 @@ async def tavily_search(request: Request) -> Response:
     include_raw = body.get("include_raw_content")
     topic = body.get("topic", "general")
     for r in results:
-        r["raw_content"] = (r["content"] + " " + sentence(r["url"], length=60)) \
+        r["raw_content"] = (r["content"] + " " + " ".join(subject_facts(subject_of(query)))) \
             if include_raw else None
         if topic != "news":
             r.pop("published_date")
     answer = None
     if body.get("include_answer"):
-        words = keywords(query, 5)
-        answer = (f"Based on {len(results)} sources, {' '.join(words) or 'the topic'} "
-                  f"{sentence(query, 'answer', length=14).lower()}")
+        facts = subject_facts(subject_of(query))
+        answer = f"Based on {len(results)} sources: {facts[0]} {facts[2]}"
     images = [f"{base}/pages/image/{i}.png" for i in range(3)] if body.get("include_images") \
         else []
     return JSONResponse({

@@ -104,3 +104,26 @@ def test_a_prompt_without_facts_answers_as_before() -> None:
     assert read_facts("Summarise: senior Python engineer, Berlin").known is False
     assert generate_instance(schema, seed=0, hint="Summarise: senior Python engineer, "
                                                   "Berlin") == {"title": "Senior Python Engineer"}
+
+
+SOURCES_PROMPT = ("Write a brief about Acme.\n\n[1] Acme: overview\nURL: https://a.example/1\n"
+                  "Acme was founded in 2009 and is headquartered in Leeds. More.\n\n"
+                  "[2] Acme: news\nURL: https://b.example/2\nAcme raised GBP 20 million.\n")
+FIGURES_PROMPT = ('Write 2 to 4 sentences.\n{"role": "nurse", "place": "Leeds (GB)", '
+                  '"currency": "GBP", "open_positions": 310, "mean_advertised_salary": 31000.0, '
+                  '"monthly_mean_salary_oldest_first": [["2026-01", 30500.0], '
+                  '["2026-06", 31200.0]], "salary_change_pct_over_period": 2.3}')
+
+
+@pytest.mark.parametrize("hint", [LISTING, SOURCES_PROMPT, FIGURES_PROMPT])
+def test_every_test_schema_stays_valid_with_facts_in_the_prompt(hint: str) -> None:
+    """Every schema of the generator's test set, and 200 random ones, still get valid
+    instances when the prompt states a listing, numbered sources or market figures."""
+    import random
+
+    from tests.unit.test_emulator_schema import SCHEMAS, _random_schema
+
+    schemas = [*SCHEMAS.values(), *(_random_schema(random.Random(k)) for k in range(200))]
+    bad = [schema for schema in schemas
+           if not is_valid(generate_instance(schema, seed=7, hint=hint), schema)]
+    assert bad == []

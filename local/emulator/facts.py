@@ -258,8 +258,8 @@ def _employment(text: str) -> str | None:
 
 
 def _remote(text: str) -> bool | None:
-    if re.search(r"\bno remote|on[- ]site only|office[- ]based|in the office every day",
-                 text, re.I):
+    if re.search(r"\bno remote|on[- ]site only|office[- ]based|in the office every day|"
+                 r"based in (?:the|our) [\w ]{1,30}office", text, re.I):
         return False
     if re.search(r"\bremote\b|\bhybrid\b|work from home|\bwfh\b", text, re.I):
         return True

@@ -76,10 +76,14 @@ def test_pasted_listing_comes_back_with_its_own_facts(env: EmulatorProcess) -> N
 
 
 def test_fetched_job_page_summary_repeats_the_page(env: EmulatorProcess) -> None:
-    """The README's job page gives a summary naming its title, employer and salary."""
-    res = call("job_extraction", "POST", "/v1/job-extraction",
-               body={"url": env.job_page_url("senior-python-developer-london")})
+    """The README's job page gives a summary naming its title, employer and salary, and its
+    remote policy as the page states it."""
+    from local.emulator.pages import job_posting
+
+    slug = "senior-python-developer-london"
+    res = call("job_extraction", "POST", "/v1/job-extraction", body={"url": env.job_page_url(slug)})
     listing = res.body
+    assert listing["remote"] is job_posting(slug)["remote"]
     assert listing["title"] == "Senior Python Developer" and listing["structured_data"]
     salary = listing["salary"]
     summary = listing["description_summary"]

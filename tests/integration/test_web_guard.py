@@ -592,16 +592,21 @@ def test_replay_carries_the_users_current_ratelimit_headers(web: Any) -> None:
     assert used(web, user) == 10 and calls == ["ok", "ok"]
 
 
-def test_replay_costs_three_redis_round_trips(web: Any, redis_server: RedisServer) -> None:
-    """A replay reads the stored answer (SET NX, GET) and the usage (one script call) only."""
+@pytest.mark.parametrize("repeat", ["replay", "other-body"])
+def test_replay_and_conflict_cost_three_redis_round_trips(
+        web: Any, redis_server: RedisServer, repeat: str) -> None:
+    """A replay or a 409 reads the key's record (SET NX, GET) and the usage (one script
+    call), nothing more."""
     user, key = uuid.uuid4().hex, str(uuid.uuid4())
-    assert invoke(web, http_event("POST", "/ok", body={}, user=user,
+    assert invoke(web, http_event("POST", "/validated", body={"n": 1}, user=user,
                                   headers={"Idempotency-Key": key})).status == 200
     assert used(web, user) == 5  # Redis has the usage script now (no NOSCRIPT reload below)
+    n = 1 if repeat == "replay" else 2
     with RedisCommands(redis_server) as sent:
-        res = invoke(web, http_event("POST", "/ok", body={}, user=user,
+        res = invoke(web, http_event("POST", "/validated", body={"n": n}, user=user,
                                      headers={"Idempotency-Key": key}))
-    assert res.headers["idempotent-replayed"] == "true"
+    assert res.status == (200 if repeat == "replay" else 409)
+    assert "ratelimit" in res.headers
     assert sorted(sent) == ["evalsha", "get", "set"]
 
 

@@ -548,13 +548,16 @@ def test_malformed_body_is_422_for_a_user_without_budget(web: Any) -> None:
     assert invoke(web, http_event("POST", "/validated", body={"n": 1}, user=user)).status == 429
 
 
+@pytest.mark.parametrize("cluster", ["false", "true"])
 @pytest.mark.parametrize("headers", [{}, {"Idempotency-Key": "malformed-2"}])
 def test_malformed_body_is_422_while_redis_is_unreachable(
-        monkeypatch: pytest.MonkeyPatch, headers: dict[str, str]) -> None:
-    """With Redis unreachable a malformed body still gets its 422; a valid one gets 503."""
+        monkeypatch: pytest.MonkeyPatch, headers: dict[str, str], cluster: str) -> None:
+    """With Redis (standalone or cluster) unreachable a malformed body still gets its 422; a
+    valid one gets 503."""
     from local.redis_servers import free_port
 
     monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    monkeypatch.setenv("REDIS_CLUSTER", cluster)
     monkeypatch.setenv("ATTO_BUDGET", "20/1h")
     settings.cache_clear()
     runtime.set_redis(None)

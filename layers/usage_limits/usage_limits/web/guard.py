@@ -153,7 +153,7 @@ def require_tokens(
     async def reserve_tokens(request: Request) -> Charge:
         """Identify the caller and prepare the charge; ``meter`` reserves it."""
         if not getattr(request.scope.get("route"), METERED_ROUTE, False):
-            raise RuntimeError("require_tokens is only for routes of an app made by create_app")
+            raise InvalidArgument("require_tokens is only for routes of an app made by create_app")
         state = request_state(request)
         user = current_user(request)
         state.pending = Charge(runtime.get_budget(settings().plan), user,
@@ -164,7 +164,7 @@ def require_tokens(
                 return await charge_tokens(request, declared)
             model = next((v for v in arguments.values() if isinstance(v, declared.model)), None)
             if model is None:
-                raise RuntimeError(f"the route takes no {declared.model.__name__} to price")
+                raise InvalidArgument(f"the route takes no {declared.model.__name__} to price")
             return await charge_tokens(request, declared.of(model))
 
         state.meter = meter
@@ -176,7 +176,7 @@ def require_tokens(
         state.route_cost = cost
         charge = state.pending
         if charge is None:
-            raise RuntimeError("no charge was prepared for this request")
+            raise InvalidArgument("no charge was prepared for this request")
         user, rid, budget = charge.user_id, charge.request_id, charge.budget
         plan = settings().plan
         name = route or _route_path(request)

@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..exceptions import LimiterUnavailable
+from ..exceptions import InvalidArgument, LimiterUnavailable
 from . import idempotency as idem
 from . import observability as obs
 from .errors import IdempotencyConflict, LimiterUnavailableError, retry_after_header
@@ -54,10 +54,13 @@ def metered(endpoint: Callable[..., Any]) -> Callable[..., Any]:
 
     The wrapper's signature is the endpoint's plus one ``Request`` argument, so FastAPI
     validates exactly what the endpoint declares and hands the wrapper the request.
+
+    Raises:
+        InvalidArgument: the endpoint has an argument of the wrapper's own name.
     """
     signature = inspect.signature(endpoint, eval_str=True)
     if _REQUEST_ARG in signature.parameters:
-        raise ValueError(f"an endpoint may not take an argument named {_REQUEST_ARG}")
+        raise InvalidArgument(f"an endpoint may not take an argument named {_REQUEST_ARG}")
     is_async = inspect.iscoroutinefunction(endpoint)
 
     @functools.wraps(endpoint)

@@ -3,8 +3,9 @@
     @app.post("/v1/structured", dependencies=[Depends(require_tokens(cost=8))])
     async def structured(body: StructuredIn) -> StructuredOut: ...
 
-The dependency identifies the caller, reserves ``cost`` tokens under the request's id in
-one atomic script, and raises the public error when it cannot (429, 409, 401, 503). The
+The dependency identifies the caller (401); once the request is valid, the guard reserves
+``cost`` tokens under the request's id in one atomic script and raises the public error
+when it cannot (429, 409, 503). The
 refund is not done here: ``UsageLimitsMiddleware`` sees the final status of the response
 (a route may *return* a 5xx, which a dependency never sees) and refunds every charge whose
 request did not succeed. A route that learns its real cost can lower the charge:

@@ -176,11 +176,19 @@ async def job_page(request: Request) -> Response:
 
 async def article_page(request: Request) -> Response:
     """``GET /pages/article/{slug}``."""
+    from .search import article_subject, subject_facts
+
     slug = request.path_params["slug"]
-    words = [w for w in slug.split("-") if w and not w.isdigit()]
-    title = titlecase(" ".join(words[:6])) or "Article"
-    paragraphs = "\n".join(f"<p>{html.escape(sentence(slug, k, words=words, length=40))}</p>"
-                           for k in range(4))
+    if "--" in slug:  # a search result's page: it states the facts its snippet quoted
+        subject, kind = article_subject(slug)
+        title = f"{subject}: {kind}"
+        facts = subject_facts(subject)
+        texts = [" ".join(facts[k:k + 2]) for k in range(0, len(facts), 2)]
+    else:
+        words = [w for w in slug.split("-") if w and not w.isdigit()]
+        title = titlecase(" ".join(words[:6])) or "Article"
+        texts = [sentence(slug, k, words=words, length=40) for k in range(4)]
+    paragraphs = "\n".join(f"<p>{html.escape(text)}</p>" for text in texts)
     return HTMLResponse(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title></head>
 <body><article><h1>{html.escape(title)}</h1>

@@ -71,6 +71,21 @@ _CUSTOMERS = ("retailers", "hospitals", "small businesses", "banks", "manufactur
 _INVESTORS = ("Northgate Ventures", "Harbour Capital", "Summit Partners", "Fieldstone Fund")
 
 
+ARTICLE_KINDS = ("overview", "profile", "news", "analysis")
+
+
+def article_slug(subject: str, kind: str, site: str, i: int) -> str:
+    """The slug of a result's article page: ``<subject>--<kind>--<site>-<i>``."""
+    return f"{slugify(subject)}--{kind}--{site}-{i}"
+
+
+def article_subject(slug: str) -> tuple[str, str]:
+    """The subject (title case) and kind of an article page's slug."""
+    subject, _, rest = slug.partition("--")
+    kind = rest.partition("--")[0]
+    return titlecase(subject.replace("-", " ")), kind if kind in ARTICLE_KINDS else "overview"
+
+
 def subject_of(query: str) -> str:
     """What a query is about: its words without domains and generic trailing words."""
     words = [w for w in query.split() if "." not in w.strip(".")]
@@ -113,14 +128,13 @@ def results_for(query: str, count: int, base: str, *, offset: int = 0) -> list[d
         rng = rng_for("result", query.lower(), i)
         site = pick(_SITES, "site", query.lower(), i)
         company = pick(COMPANIES, "company", query.lower(), i)
-        slug = slugify(f"{topic} {site} {i}")
         if jobby:
             title = f"{topic} at {company} | {site}"
             url = f"{base}/pages/job/{slugify(f'{topic} {company}')}-{i + 1}"
         else:
-            title = (f"{subject_of(query)}: "
-                     f"{rng.choice(('overview', 'profile', 'news', 'analysis'))} | {site}")
-            url = f"{base}/pages/article/{slug}"
+            subject, kind = subject_of(query), rng.choice(ARTICLE_KINDS)
+            title = f"{subject}: {kind} | {site}"
+            url = f"{base}/pages/article/{article_slug(subject, kind, site, i)}"
         if jobby:
             city = pick(CITIES, "city", query.lower(), i)[0]
             snippet = (f"{company} is hiring: {topic} in {city}. Apply with experience in "

@@ -109,6 +109,19 @@ def test_company_brief_cites_its_numbered_sources(env: EmulatorProcess) -> None:
                            if "founded" in f["fact"])
 
 
+def test_a_cited_source_page_states_the_fact_cited(env: EmulatorProcess) -> None:
+    """Opening a source of the brief shows the very fact the brief cites it for."""
+    import html
+
+    import httpx
+
+    res = call("company_research", "POST", "/v1/company-research",
+               body={"company": "Acme Logistics"})
+    for fact in res.body["key_facts"][:3]:
+        page = html.unescape(httpx.get(fact["source_url"], timeout=10).text)
+        assert fact["fact"] in page, (fact, page[:400])
+
+
 def test_market_narrative_is_written_from_its_figures(env: EmulatorProcess) -> None:
     """The market narrative states the open positions, mean salary and trend it was given."""
     res = call("market_context", "POST", "/v1/market-context",

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
-from fastapi import Depends, Request
+from typing import Annotated
+
+from fastapi import Depends
 from pydantic import BaseModel, Field
 
-from usage_limits.web import create_app, current_user, identity, lambda_handler
+from usage_limits.entitlements import Plan
+from usage_limits.web import create_app, current_user, lambda_handler
+from usage_limits.web.guard import current_plan
 from usage_limits.web.runtime import get_budget
 
 app = create_app("Atto Cloud: usage")
 
-#: Tokens per metered route. Each route declares the same number in its
-#: ``require_tokens(cost=...)``; a test keeps the two in step.
-PRICES: dict[str, int] = {
-    "POST /v1/embeddings": 1,
+#: Tokens per route, free ones at 0: a number, or for a route priced by the size of its
+#: request, the rule in words. Each metered route declares the same in its
+#: ``require_tokens(cost=...)``; a test keeps the two, and the README's table, in step.
+PRICES: dict[str, int | str] = {
+    "POST /v1/embeddings": "1 per started 8,000 characters of input",
     "GET /v1/salary": 2,
-    "POST /v1/structured": 8,
+    "POST /v1/structured": "8 per started 8,000 characters of prompt and schema",
     "POST /v1/job-extraction": 10,
     "POST /v1/company-research": 20,
     "POST /v1/market-context": 30,
+    "GET /v1/usage": 0,
 }
 
 
@@ -44,13 +50,16 @@ class UsageOut(BaseModel):
     plan: str = Field(description="The name of the caller's plan.")
     windows: list[WindowOut]
     events: list[SpendEventOut] = Field(description="Most recent charges first.")
-    prices: dict[str, int] = Field(description="Tokens per metered route.")
+    prices: dict[str, int | str] = Field(
+        description="Tokens per route (0 for a free one): a number, or the rule of a route "
+                    "priced by the size of its request (e.g. \"1 per started 8,000 "
+                    "characters of input\").")
 
 
 @app.get("/v1/usage")
-async def usage(request: Request, user: str = Depends(current_user)) -> UsageOut:
+async def usage(plan: Annotated[Plan, Depends(current_plan)],
+                user: str = Depends(current_user)) -> UsageOut:
     """What the caller has spent, what is left, and what each route costs."""
-    plan = identity.plan(request).plan
     ledger = get_budget(plan.windows)
     report = await ledger.usage(user)
     return UsageOut(

@@ -1,5 +1,5 @@
-"""The operator CLI against ``make serve``: every command, unsigned, through real HTTP, the
-local DynamoDB the local stack starts, real Redis and the emulator."""
+"""The operator CLI against ``make serve``: every command, unsigned, through real HTTP, with
+the Redis, emulator and local DynamoDB that make serve starts by itself."""
 
 from __future__ import annotations
 
@@ -15,27 +15,19 @@ from typing import Any
 import httpx
 import pytest
 
-from local.emulator import EmulatorProcess
-from local.redis_servers import RedisServer
-from tests.integration.test_serve import Served, start_serve, stop_serve
+from tests.serving import Served, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def served(redis_server: RedisServer, emulator: EmulatorProcess) -> Iterator[Served]:
-    """make serve with two plans, its own local DynamoDB, and the emulator as the LLM."""
-    env = {"REDIS_URL": redis_server.url, "LLM_BASE_URL": emulator.openai_base_url,
-           "LLM_API_KEY": "k", "LLM_RATE": "1000/s",
-           "ATTO_PLANS": "free=5/1h,50/30d;pro=40/1h,2000/30d", "ATTO_DEFAULT_PLAN": "free"}
-    for name in ("ATTO_ENTITLEMENTS_TABLE", "ATTO_DYNAMODB_ENDPOINT", "ATTO_BUDGET"):
-        os.environ.pop(name, None)
-    server = start_serve(env)
-    try:
+def served() -> Iterator[Served]:
+    """make serve as a newcomer runs it (its own Redis, emulator and local DynamoDB), with
+    two plans."""
+    with serve({"ATTO_PLANS": "free=5/1h,50/30d;pro=40/1h,2000/30d",
+                "ATTO_DEFAULT_PLAN": "free"}) as server:
         yield server
-    finally:
-        stop_serve(server)
 
 
 def cli(served: Served, *args: str, json_out: bool = True) -> tuple[int, Any, str]:

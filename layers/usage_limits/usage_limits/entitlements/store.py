@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from .. import snapstart
 from ..exceptions import InvalidArgument
 from .config import StoreSettings, store_settings
 from .exceptions import NotFound, StoreUnavailable
@@ -513,3 +514,9 @@ def set_store(store: EntitlementStore | None) -> None:
     global _store
     _store = store
     store_settings.cache_clear()
+
+
+@snapstart.after_restore
+def _forget_store() -> None:
+    """After a SnapStart restore, make the DynamoDB client (and its connections) again."""
+    set_store(None)

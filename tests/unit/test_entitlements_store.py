@@ -135,20 +135,23 @@ def test_audit_is_newest_first_per_user_and_across_users(store: EntitlementStore
 
 def test_support_refund_claim_finish_and_second_claim(store: EntitlementStore) -> None:
     """A refund claim is made once; once finished, a second claim returns the record."""
-    claim, created = store.claim_support_refund("u6", "r:abc", actor="op", reason="bad answer")
-    assert created and claim.tokens is None
-    unfinished, created = store.claim_support_refund("u6", "r:abc", actor="op", reason="again")
+    claim, created = store.claim_support_refund("u6", "r:abc", claimed=8, actor="op",
+                                                reason="bad answer")
+    assert created and claim.tokens is None and claim.claimed == 8
+    unfinished, created = store.claim_support_refund("u6", "r:abc", claimed=8, actor="op",
+                                                     reason="again")
     assert not created and unfinished.tokens is None
     done = store.finish_support_refund(claim, "u6", 8)
     assert done.tokens == 8
-    again, created = store.claim_support_refund("u6", "r:abc", actor="op", reason="again")
+    again, created = store.claim_support_refund("u6", "r:abc", claimed=8, actor="op",
+                                                reason="again")
     assert not created and again.tokens == 8
     assert [(e.action, e.details["tokens"]) for e in store.audit("u6")] == [("refund", 8)]
 
 
 def test_dropped_claim_can_be_made_again(store: EntitlementStore) -> None:
     """A claim whose charge was not found is dropped and leaves no audit entry."""
-    claim, _ = store.claim_support_refund("u7", "r:zz", actor="op", reason="r")
+    claim, _ = store.claim_support_refund("u7", "r:zz", claimed=1, actor="op", reason="r")
     store.drop_support_refund(claim, "u7")
     assert store.support_refund("u7", "r:zz") is None and store.audit("u7") == []
 

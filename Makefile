@@ -36,7 +36,7 @@ redis-server: ## Install Debian's redis-server when it is missing.
 	@# Debian's package starts a system redis on 6379; the project never uses it.
 
 .PHONY: test
-test: $(STAMP) redis-server tools ## Run every test (starts its own redis-server and Redis Cluster).
+test: $(STAMP) redis-server tools checkov-tools ## Run every test (starts its own servers: Redis 7 and Valkey 8).
 	$(PY) -m pytest
 
 .PHONY: serve
@@ -55,9 +55,11 @@ bench: $(STAMP) redis-server ## Run the benchmarks and print their tables (QUICK
 	$(PY) bench/cold_start.py $(if $(QUICK),--quick)
 
 .PHONY: lint
-lint: $(STAMP) ## ruff and mypy.
+lint: $(STAMP) $(CHECKOV_STAMP) ## ruff, mypy and checkov.
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(CHECKOV) $(CHECKOV_ARGS)
 
 include mk/sam.mk
+include mk/checkov.mk
 -include mk/fleet.mk

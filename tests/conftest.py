@@ -136,8 +136,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     counts: dict[str, dict[str, int]] = {}
     for outcome in ("passed", "failed", "error", "skipped", "xfailed", "xpassed"):
         for report in terminalreporter.stats.get(outcome, []):
-            if getattr(report, "when", "call") != "call" and outcome in ("passed", "skipped"):
-                continue
             name = dict(getattr(report, "user_properties", ())).get("engine")
             if name:
                 per = counts.setdefault(name, {})

@@ -36,7 +36,7 @@ venv: $(STAMP) ## Create .venv with the project and its dev dependencies, as pin
 # with the deps layer's pins as constraints (the packages both ship stay equal), frozen.
 LOCK_VENV := .venv-lock
 .PHONY: lock
-lock: ## Re-resolve pyproject.toml (dependencies + dev) into constraints.txt; then make venv.
+lock: ## Re-resolve pyproject.toml (dependencies + dev extra) into constraints.txt; make venv installs it.
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	rm -rf $(LOCK_VENV)
 	$(PYTHON) -m venv $(LOCK_VENV)

@@ -21,30 +21,32 @@ EVENT ?= events/$(FN).json
 help: ## Show this help.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml client/pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	@# -qq: errors only (pip's index and build warnings would fill the first screen)
 	$(PY) -m pip install -qq pip==$(PIP_VERSION)
-	$(PY) -m pip install -qq -c $(LOCK) -e '.[dev]'
+	$(PY) -m pip install -qq -c $(LOCK) -e '.[dev]' -e ./client
 	@touch $@
 
 .PHONY: venv
 venv: $(STAMP) ## Create .venv with the project and its dev dependencies, as pinned in constraints.txt.
 
-# A fresh resolve of pyproject.toml's dependencies and its dev extra in a throwaway venv,
-# with the deps layer's pins as constraints (the packages both ship stay equal), frozen.
+# A fresh resolve of pyproject.toml's dependencies and dev extra, and client/pyproject.toml's,
+# in a throwaway venv, with the deps layer's pins as constraints (the packages both ship stay
+# equal), frozen.
 LOCK_VENV := .venv-lock
 .PHONY: lock
-lock: ## Re-resolve pyproject.toml (dependencies + dev extra) into constraints.txt; make venv installs it.
+lock: ## Re-resolve pyproject.toml (dependencies + dev extra) and the client's into constraints.txt.
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	rm -rf $(LOCK_VENV)
 	$(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip install -qq pip==$(PIP_VERSION)
-	$(LOCK_VENV)/bin/python -m pip install -qq -c layers/deps/requirements.txt -e '.[dev]'
+	$(LOCK_VENV)/bin/python -m pip install -qq -c layers/deps/requirements.txt -e '.[dev]' -e ./client
 	{ echo "# Every package of .venv, pinned: \`make venv\` installs with \`-c $(LOCK)\`."; \
 	  echo "# Written by \`make lock\` (do not edit): a fresh resolve of pyproject.toml's"; \
-	  echo "# dependencies and dev extra, with layers/deps/requirements.txt's pins, on"; \
+	  echo "# dependencies and dev extra and client/pyproject.toml's, with"; \
+	  echo "# layers/deps/requirements.txt's pins, on"; \
 	  echo "# $$($(LOCK_VENV)/bin/python -c 'import platform as p; print("CPython", p.python_version(), p.machine())')."; \
 	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)

@@ -1,7 +1,8 @@
 """constraints.txt: the pinned development environment that `make venv` installs.
 
-`make lock` writes it from a fresh resolve of pyproject.toml's dependencies and dev extra,
-with the deps layer's pins as constraints; these tests keep the three files in step.
+`make lock` writes it from a fresh resolve of pyproject.toml's dependencies and dev extra
+(and client/pyproject.toml's), with the deps layer's pins as constraints; these tests keep
+the files in step.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ def _pins(path: Path) -> dict[str, str]:
 
 
 def _declared() -> list[Requirement]:
-    """pyproject.toml's dependencies and its dev extra."""
+    """pyproject.toml's dependencies and its dev extra, and the client's dependencies."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    client = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())["project"]
     return [Requirement(t) for t in [*project["dependencies"],
-                                     *project["optional-dependencies"]["dev"]]]
+                                     *project["optional-dependencies"]["dev"],
+                                     *client["dependencies"]]]
 
 
 def test_lock_pins_every_declared_dependency_within_its_range() -> None:
-    """Each dependency and dev dependency of pyproject.toml is pinned, inside its range."""
+    """Each dependency of the project (dev extra included) and the client is pinned, in range."""
     pins = _pins(LOCK)
     for req in _declared():
         name = _name(req.name)

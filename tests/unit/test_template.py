@@ -157,7 +157,8 @@ def test_optional_kms_key_encrypts_logs_secrets_and_environment(
              "AWS::Lambda::Function": "KmsKeyArn"}
     encrypted = {name: r["Properties"].get(kinds[r["Type"]])
                  for name, r in resources.items() if r["Type"] in kinds}
-    assert len(encrypted) == 8 + 3 + 7
+    assert {resources[name]["Type"] for name in encrypted} == set(kinds)
+    assert sum(resources[n]["Type"] == "AWS::Lambda::Function" for n in encrypted) == len(SPECS)
     assert {name: key for name, key in encrypted.items() if key != KMS_KEY_OR_DEFAULT} == {}
     decrypt = {"Fn::If": ["HasKmsKey", {"Ref": "KmsDecryptPolicy"}, {"Ref": "AWS::NoValue"}]}
     for spec in SPECS:

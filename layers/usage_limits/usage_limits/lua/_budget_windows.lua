@@ -165,9 +165,10 @@ local function save_meta(m, now, longest)
   redis.call('PEXPIRE', meta_key, ttl)
 end
 
--- When the oldest event window w counts leaves it (now when it counts none); after save_meta.
-local function resets_at(m, now, w)
+-- When the oldest event window w counts leaves it (-1 when it counts none: nothing to wait
+-- for); after save_meta.
+local function resets_at(m, w)
   local first = m.windows[w].first
-  if first == NONE then return now end
+  if first == NONE then return -1 end
   return first + w
 end

@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctx = faults.Context(redis=redis, emulator=emu, env=env, out_dir=str(out),
                              timeout_s=args.lambda_timeout, lease_s=lease_s)
         spawn = multiprocessing.get_context("spawn")
+        retries = spawn.Queue()  # keyed requests answered 503, retried by another process
         warmup_s = 4.0 + 1.0 * args.processes  # imports of every function, on 2 cores
         t_start = time.time() + warmup_s
         stop_at = t_start + args.duration
@@ -149,7 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         procs = [spawn.Process(target=worker.main, name=f"fleet-{i}", args=(
             f"w{i}", env, str(out / f"records-w{i}.jsonl"), stop_at, args.seed * 1000 + i,
             users, args.lambda_timeout), kwargs={"lease_s": lease_s,
-                                                 "start_at": t_start + i * STAGGER_S})
+                                                 "start_at": t_start + i * STAGGER_S,
+                                                 "retries": retries})
             for i in range(args.processes)]
         for p in procs:
             p.start()
@@ -206,6 +208,7 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
         "deadlines": check.check_deadlines(ends),
         "faults": check.fault_costs(done, ends),
         "routes": check.summary_by_route(ends),
+        "client_retries": _count(str(r["status"]) for r in ends if r.get("retry_of")),
         "after_run": later,
         "in_flight_at_end": len(in_flight),
     }
@@ -242,7 +245,9 @@ def table(result: dict[str, Any]) -> str:
             + ", ".join(f"{k} {v}" for k, v in cfg["providers"].items())
             + f", search concurrency {cfg['search_concurrency']}, Lambda timeout "
             f"{cfg['lambda_timeout_s']:g} s, upstream failure rate {cfg['failure_rate']:.0%}",
-            f"Invocations: {result['invocations']}  by status: {result['status']}", "",
+            f"Invocations: {result['invocations']}  by status: {result['status']}",
+            "Keyed requests answered 503 and retried from another environment, by status of "
+            f"the retry: {result['client_retries'] or 'none'}", "",
             "| invariant | result | detail |", "|---|---|---|"]
 
     def mark(ok: bool) -> str:

@@ -22,6 +22,9 @@ ARGV[5]  route       route recorded with the charge (audit trail), may be empty
 ARGV[6]  margin_ms   keys live this long past the longest window, ms (integer >= 0)
 ARGV[7.. ] window_ms, limit pairs, shortest window first: window length in ms, limit in tokens
 
+Run twice with the same arguments (redis-py re-sends a call whose reply was lost): the second
+run finds the id charged with its own nonce and answers status 1 again, charging nothing.
+
 Returns {status, retry_after_ms, binding, then per ARGV window: used, resets_at_ms}
   status          1 charged (now, or by this very call before a client re-sent it);
                   2 duplicate: the id was charged by another call, nothing charged now;

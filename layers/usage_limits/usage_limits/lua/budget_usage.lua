@@ -3,6 +3,7 @@
 Moves every window's running total up to now exactly as budget_reserve.lua does (the code
 between the BEGIN/END lines is the same in both files; a unit test checks it), so reading
 usage also retires expired events. A user with no keys gets zeros and nothing is written.
+Run twice, the second run finds every window already at now and answers the same.
 
 KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
 KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)

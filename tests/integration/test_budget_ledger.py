@@ -305,3 +305,18 @@ def test_reservation_is_frozen() -> None:
                     limit=2, window_s=1.0, windows=())
     with pytest.raises(AttributeError):
         r.allowed = False  # type: ignore[misc]
+
+
+async def test_a_new_longest_window_forgets_what_left_every_window(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """A plan change to a window longer than any before deletes the events already older than
+    it: they are out of every window, so their ids may be charged again and no record stays."""
+    budget = TokenBudget(redis_client, [Window(10, 0.1)])
+    await budget.reserve(uid, "old", 4, now_ms=T0)
+    longer = [Window(30, 0.25), Window(60, 1)]
+    usage = await budget.usage(uid, windows=longer, now_ms=T0 + 1500)
+    assert [w.used for w in usage.windows] == [0, 0] and usage.events == ()
+    again = await budget.reserve(uid, "old", 4, windows=longer, now_ms=T0 + 1500)
+    assert again.allowed and not again.duplicate
+    assert [w.used for w in again.windows] == [4, 4]
+    log_key, ev_key, _ = keys_of(uid)
+    assert await redis_client.zcard(log_key) == 1 and await redis_client.hlen(ev_key) == 1

@@ -39,9 +39,6 @@ from .settings import settings
 if TYPE_CHECKING:
     from ..budget import Reservation
 
-__all__ = ["STATE_KEY", "Charge", "RequestState", "current_user", "request_state",
-           "require_tokens"]
-
 STATE_KEY = "usage_limits"
 
 

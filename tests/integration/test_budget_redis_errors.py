@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from local.redis_servers import RedisServer
+from tests.conftest import StartEnvironment
 from usage_limits import LimiterUnavailable, TokenBudget, Window
 from usage_limits._scripts import error_kind, script
 from usage_limits.keys import user_keys
@@ -140,3 +141,44 @@ async def test_a_script_bug_stays_an_error(charged: tuple[TokenBudget, str, str]
                                        [T0, "r9", "x", "n", "", 0, 60_000, 100])
     assert not isinstance(info.value, LimiterUnavailable)
     assert error_kind(info.value) == "ERR" and "user_script" in str(info.value)
+
+
+def test_out_of_memory_answers_503_with_retry_after(server: RedisServer,
+                                                    lambda_env: StartEnvironment) -> None:
+    """Through a real handler, a Redis out of memory answers 503 limiter_unavailable with
+    Retry-After on a metered route and on GET /v1/usage, not 500."""
+    import importlib
+
+    from local.lambda_events import http_event, invoke
+
+    lambda_env({"REDIS_URL": server.url, "ATTO_BUDGET": "20/1h"}, unset=["ATTO_ENV"])
+    embeddings = importlib.import_module("functions.embeddings.app")
+    usage = importlib.import_module("functions.usage.app")
+    user = uuid.uuid4().hex
+
+    async def seed() -> None:  # the user has spent something: usage has keys to update
+        client = _client(server.port)
+        try:
+            assert (await TokenBudget(client, [Window(20, 3600)]).reserve(user, "s", 1)).allowed
+        finally:
+            await client.aclose()
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(seed())
+    finally:
+        loop.close()
+    admin = redis.Redis(port=server.port)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", "1")
+    try:
+        metered = invoke(embeddings.handler, http_event(
+            "POST", "/v1/embeddings", body={"input": ["a"]}, user=user))
+        free = invoke(usage.handler, http_event("GET", "/v1/usage", user=user))
+    finally:
+        admin.config_set("maxmemory", "0")
+        admin.close()
+    for res in (metered, free):
+        assert res.status == 503, res.body
+        assert res.body["error"]["code"] == "limiter_unavailable"
+        assert int(res.headers["retry-after"]) >= 1

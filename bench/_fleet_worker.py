@@ -11,7 +11,9 @@ Client retries across environments: a request with an ``Idempotency-Key`` answer
 shared by every process, and another process (another environment) sends it again, with
 the same key, once its Retry-After has passed, as a client does; up to ``MAX_RETRIES``
 times while it keeps getting 503. Its record names the process that got the 503
-(``retry_of``).
+(``retry_of``). Half the time the process that got the 503 then stays idle for
+``IDLE_AFTER_503_S``, as a Lambda environment often does between invocations: its
+refunds kept during the fault stay pending while the client's retry is served elsewhere.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ WEIGHTS = {"structured": 30, "embeddings": 25, "salary": 18, "job_extraction": 8
            "company_research": 5, "market_context": 6, "usage": 8}
 #: How many times a client sends a keyed request again after a 503 (each time elsewhere).
 MAX_RETRIES = 3
+#: How long an environment that answered a keyed 503 may then stay idle (half the time), s.
+IDLE_AFTER_503_S = 2.5
 #: What company_research / market_context settle to when they found nothing.
 SEARCH_ONLY_COST = 5
 NO_DATA_COST = 2
@@ -183,6 +187,8 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int
                 # will serve it
                 wait_s = float(hdrs.get("retry-after", "1") or 1)
                 retries.put((user, key, route, req, wid, t1 + wait_s, tries + 1))
+                if rng.random() < 0.5:  # no invocation for a while: kept refunds wait
+                    time.sleep(max(0.0, min(IDLE_AFTER_503_S, stop_at - time.time())))
             if only is not None:
                 return
             if think_s:

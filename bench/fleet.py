@@ -44,7 +44,7 @@ FAILURE_RATE = 0.05
 #: eight first requests at once on two cores hold each other up past any jitter allowance.
 STAGGER_S = 0.25
 CHEAP_FAULTS = ["redis-restart", "script-flush", "redis-slow", "upstream-5xx", "upstream-429",
-                "kill-lease-holder", "upstream-latency"]
+                "kill-lease-holder", "upstream-latency", "ledger-refused"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if unknown:
             ap.error(f"unknown fault(s): {', '.join(sorted(unknown))}")
     if args.redis_url:
-        own_redis = {"redis-restart", "script-flush", "redis-slow", "failover"}
+        own_redis = {"redis-restart", "script-flush", "redis-slow", "failover",
+                     "ledger-refused"}
         if args.faults == "all":
             chosen = [f for f in chosen if f not in own_redis]
         elif own_redis & set(chosen):
@@ -203,7 +204,7 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
         "overspend": check.check_overspend(ledger, plan),
         "ledger": check.check_ledger(ledger, ends, in_flight, [
             (f["start"], f["end"]) for f in done
-            if f["fault"] in ("redis-restart", "redis-slow", "failover")]),
+            if f["fault"] in ("redis-restart", "redis-slow", "failover", "ledger-refused")]),
         "providers": check.check_providers(stats, limits, ctx.injected_429),
         "deadlines": check.check_deadlines(ends),
         "faults": check.fault_costs(done, ends),

@@ -165,12 +165,14 @@ class Operator:
             NotFound: no such charge in the user's ledger (never charged, already refunded
                 by the request path, or left the log).
         """
-        rid, cost = await self._find_charge(user_id, request_id)
+        rid, cost, nonce = await self._find_charge(user_id, request_id)
         claim, created = await self._run(self.store.claim_support_refund, user_id, rid,
                                          claimed=cost, actor=actor, reason=reason)
         if claim.tokens is not None:
             return claim, False
-        refunded = await self.budget.refund(user_id, rid)
+        # The charge's own nonce: the ledger removes exactly that charge, at most once. No
+        # nonce means the charge left the log after an earlier claim: that attempt refunded.
+        refunded = bool(nonce) and await self.budget.refund(user_id, rid, nonce=nonce)
         if not refunded and created:
             # The request path refunded it first (its request failed): nothing to do.
             await self._run(self.store.drop_support_refund, claim, user_id)
@@ -180,10 +182,10 @@ class Operator:
                                               user_id, claim.claimed)
         return done, True
 
-    async def _find_charge(self, user_id: str, request_id: str) -> tuple[str, int]:
-        """The ledger id and cost of ``request_id``: as given, or with the prefix the
+    async def _find_charge(self, user_id: str, request_id: str) -> tuple[str, int, str]:
+        """The ledger id, cost and nonce of ``request_id``: as given, or with the prefix the
         request path adds (``GET /v1/usage`` shows ids without it). A charge no longer in
-        the log is found through an earlier claim in the store.
+        the log is found through an earlier claim in the store (nonce ``""``).
 
         Raises:
             NotFound: neither the ledger nor the store knows the charge.
@@ -192,14 +194,14 @@ class Operator:
             raise InvalidArgument("request_id is required")
         candidates = (request_id, *(p + request_id for p in REQUEST_ID_PREFIXES))
         usage = await self.budget.usage(user_id, events=REFUND_SEARCH_EVENTS)
-        costs = {e.request_id: e.cost for e in usage.events}
+        charges = {e.request_id: e for e in usage.events}
         for candidate in candidates:
-            if candidate in costs:
-                return candidate, costs[candidate]
+            if candidate in charges:
+                return candidate, charges[candidate].cost, charges[candidate].nonce
         for candidate in candidates:
             earlier = await self._run(self.store.support_refund, user_id, candidate)
             if earlier is not None:
-                return candidate, earlier.claimed
+                return candidate, earlier.claimed, ""
         raise NotFound(f"no charge {request_id!r} in the user's ledger")
 
     def now_ms(self) -> int:

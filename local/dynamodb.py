@@ -41,12 +41,17 @@ class DynamoServer:
         server.start()
         self._server = server
         self.url = f"http://127.0.0.1:{self.port}"
+        import boto3
+
         from usage_limits.entitlements.config import StoreSettings
         from usage_limits.entitlements.store import EntitlementStore
 
         region = os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        EntitlementStore(StoreSettings(table=self.table, endpoint_url=self.url,
-                                       region=region)).create_table()
+        # The local server accepts any credentials; these keep the shell's real ones unused.
+        client = boto3.client("dynamodb", endpoint_url=self.url, region_name=region,
+                              aws_access_key_id="local", aws_secret_access_key="local")
+        EntitlementStore(StoreSettings(table=self.table, endpoint_url=self.url, region=region),
+                         client=client).create_table()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -19,12 +19,21 @@ from usage_limits.entitlements.models import MAX_GRANT_TOKENS, MAX_REASON, Chang
 from usage_limits.entitlements.operator import Operator, Picture
 from usage_limits.entitlements.store import MAX_AUDIT, default_store
 from usage_limits.exceptions import InvalidArgument
-from usage_limits.web import ApiError, create_app, lambda_handler, settings
+from usage_limits.web import ApiError, ErrorBody, create_app, lambda_handler, settings
 from usage_limits.web.errors import error_response, retry_after_header
 from usage_limits.web.identity import operator_principal
 from usage_limits.web.runtime import get_budget
 
 app = create_app("Atto Cloud: operator API")
+
+#: Answers every operator route may give besides the common ones.
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    403: {"model": ErrorBody, "description": "forbidden: the request carries no IAM principal"},
+    404: {"model": ErrorBody, "description": "not_found: no such grant or charge"},
+}
+#: Routes that create something answer 201, or 200 with what an earlier call created.
+CREATED: dict[int | str, dict[str, Any]] = {
+    **RESPONSES, 201: {"description": "created by this call"}}
 
 UserId = Annotated[str, Path(min_length=1, max_length=256)]
 Reason = Annotated[str, Field(min_length=1, max_length=MAX_REASON,
@@ -159,7 +168,7 @@ def picture_out(p: Picture) -> dict[str, Any]:
     }
 
 
-@app.get("/admin/v1/users/{user_id}")
+@app.get("/admin/v1/users/{user_id}", responses=RESPONSES)
 async def get_user(user_id: UserId, ops: Ops, _: Actor) -> dict[str, Any]:
     """The user's plan and its source, windows, grants, suspension and recent spend.
 
@@ -167,14 +176,14 @@ async def get_user(user_id: UserId, ops: Ops, _: Actor) -> dict[str, Any]:
     return picture_out(await ops.picture(user_id))
 
 
-@app.put("/admin/v1/users/{user_id}/plan")
+@app.put("/admin/v1/users/{user_id}/plan", responses=RESPONSES)
 async def set_plan(user_id: UserId, body: PlanIn, ops: Ops, actor: Actor) -> dict[str, Any]:
     """Give the user a plan of the operator's choice (it beats the JWT claim)."""
     override = await ops.set_plan(user_id, body.plan, actor=actor, reason=body.reason)
     return {"user_id": user_id, "override": {"plan": override.plan, **_change(override.change)}}
 
 
-@app.delete("/admin/v1/users/{user_id}/plan")
+@app.delete("/admin/v1/users/{user_id}/plan", responses=RESPONSES)
 async def clear_plan(user_id: UserId, ops: Ops, actor: Actor,
                      body: Annotated[ReasonIn | None, Body()] = None,
                      reason: Annotated[str | None, Query(max_length=MAX_REASON)] = None,
@@ -186,7 +195,7 @@ async def clear_plan(user_id: UserId, ops: Ops, actor: Actor,
                                                       **_change(removed.change)}}
 
 
-@app.post("/admin/v1/users/{user_id}/grants")
+@app.post("/admin/v1/users/{user_id}/grants", responses=CREATED)
 async def create_grant(user_id: UserId, body: GrantIn, ops: Ops,
                        actor: Actor) -> JSONResponse:
     """Create a grant; the same reference again returns the existing grant (200, not 201)."""
@@ -198,7 +207,7 @@ async def create_grant(user_id: UserId, body: GrantIn, ops: Ops,
                         status_code=201 if created else 200)
 
 
-@app.delete("/admin/v1/users/{user_id}/grants/{reference}")
+@app.delete("/admin/v1/users/{user_id}/grants/{reference}", responses=RESPONSES)
 async def void_grant(user_id: UserId, reference: Annotated[str, Path(max_length=128)],
                      ops: Ops, actor: Actor,
                      body: Annotated[ReasonIn | None, Body()] = None,
@@ -210,7 +219,7 @@ async def void_grant(user_id: UserId, reference: Annotated[str, Path(max_length=
     return {"user_id": user_id, "voided": voided, "grant": grant_out(grant, ops.now_ms())}
 
 
-@app.post("/admin/v1/users/{user_id}/refunds")
+@app.post("/admin/v1/users/{user_id}/refunds", responses=CREATED)
 async def refund(user_id: UserId, body: RefundIn, ops: Ops, actor: Actor) -> JSONResponse:
     """Refund one charge, at most once (a second call returns the first refund, 200)."""
     done, created = await ops.refund(user_id, body.request_id, actor=actor, reason=body.reason)
@@ -220,7 +229,7 @@ async def refund(user_id: UserId, body: RefundIn, ops: Ops, actor: Actor) -> JSO
                         status_code=201 if created else 200)
 
 
-@app.put("/admin/v1/users/{user_id}/suspension")
+@app.put("/admin/v1/users/{user_id}/suspension", responses=RESPONSES)
 async def suspend(user_id: UserId, body: SuspensionIn, ops: Ops,
                   actor: Actor) -> dict[str, Any]:
     """Suspend the user, until ``until`` or until lifted."""
@@ -229,7 +238,7 @@ async def suspend(user_id: UserId, body: SuspensionIn, ops: Ops,
     return {"user_id": user_id, "suspension": suspension_out(suspension, ops.now_ms())}
 
 
-@app.delete("/admin/v1/users/{user_id}/suspension")
+@app.delete("/admin/v1/users/{user_id}/suspension", responses=RESPONSES)
 async def lift_suspension(user_id: UserId, ops: Ops, actor: Actor,
                           body: Annotated[ReasonIn | None, Body()] = None,
                           reason: Annotated[str | None, Query(max_length=MAX_REASON)] = None,
@@ -240,7 +249,7 @@ async def lift_suspension(user_id: UserId, ops: Ops, actor: Actor,
             "suspension": suspension_out(lifted, ops.now_ms())}
 
 
-@app.get("/admin/v1/audit")
+@app.get("/admin/v1/audit", responses=RESPONSES)
 async def audit(ops: Ops, _: Actor,
                 user_id: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
                 limit: Annotated[int, Query(ge=1, le=MAX_AUDIT)] = 50) -> dict[str, Any]:

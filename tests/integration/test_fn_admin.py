@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,15 +233,19 @@ def test_local_mode_serves_operators_as_local(env: str, lambda_env: StartEnviron
     assert res.status == 200 and res.body["override"]["by"] == "local"
 
 
-def test_plan_comes_from_the_claim_and_an_unknown_claim_gets_the_default(env: str) -> None:
+def test_plan_comes_from_the_claim_and_an_unknown_claim_gets_the_default(
+        env: str, caplog: pytest.LogCaptureFixture) -> None:
     """The first cognito:groups entry naming a plan chooses it; a claim naming no plan gets
-    the default plan (200, never 500)."""
+    the default plan (200, never 500) and a warning in the log."""
     user = uuid.uuid4().hex
     pro = usage(user, "[admins pro]")
     assert pro.status == 200 and pro.body["plan"] == "pro"
     assert [w["limit"] for w in pro.body["windows"]] == [40, 2000]
-    unknown = usage(user, "[platinum]")
+    with caplog.at_level(logging.WARNING, logger="usage_limits.web"):
+        unknown = usage(user, "[platinum]")
     assert unknown.status == 200 and unknown.body["plan"] == "free"
+    assert any(r.message == "plan claim names no plan; using the default plan"
+               and getattr(r, "claim", None) == "platinum" for r in caplog.records)
     assert usage(user).body["plan"] == "free"
 
 

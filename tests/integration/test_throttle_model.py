@@ -93,13 +93,13 @@ class Model:
         return float(self.state[name]) if name in self.state else 0.0
 
     def acquire(self, answer: str, now: float, cost: int, max_wait: float,
-                recheck: bool) -> list[Any]:
+                recheck: bool, call_at: float) -> list[Any]:
         if answer in self.answers:
             slot, seq = self.answers[answer]
             return [1, fmt(float(slot) - now), slot, seq]
         tat, pause = self._num("tat"), self._num("pause")
         clock = max(self._num("clock"), now)
-        if recheck and pause <= now:
+        if recheck and pause <= call_at:
             return [2, "0", fmt(now), 0]
         new_tat = max(tat, clock, pause) + cost * self.interval
         slot = max(clock, pause, new_tat - self.burst * self.interval)
@@ -278,17 +278,19 @@ class ThrottleMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------------- rules: the rate
 
     @rule(skew=SKEWS, cost=st.integers(1, 3), wait=st.sampled_from([0.0, 5.0, 30.0, 300.0]),
-          recheck=st.booleans())
-    def acquire(self, skew: float | str, cost: int, wait: float, recheck: bool) -> None:
-        """A caller asks for a slot (or, having slept to one, rechecks for a pause)."""
+          recheck=st.booleans(), lead=st.sampled_from([0.0, 0.25, 2.0]))
+    def acquire(self, skew: float | str, cost: int, wait: float, recheck: bool,
+                lead: float) -> None:
+        """A caller asks for a slot (or, about to call at its slot, rechecks for a pause)."""
         cost = min(cost, self.model.burst)
         now = self.now(skew)
+        call_at = now + lead if recheck else now
         answer = self.answer_prefix + uuid.uuid4().hex
         pause_before = self.model._num("pause")
         args = [fmt(now), repr(self.model.interval), str(self.model.burst), str(cost),
-                fmt(wait), ANSWER_TTL_MS, 1 if recheck else 0]
+                fmt(wait), ANSWER_TTL_MS, 1 if recheck else 0, fmt(call_at)]
         reply = self.run("throttle_acquire", [self.state_key, answer], args,
-                         lambda: self.model.acquire(answer, now, cost, wait, recheck))
+                         lambda: self.model.acquire(answer, now, cost, wait, recheck, call_at))
         admitted, wait_ms, slot = reply[0], float(reply[1]), float(reply[2])
         if admitted == 1:
             assert wait_ms <= wait
@@ -297,7 +299,7 @@ class ThrottleMachine(RuleBasedStateMachine):
         elif admitted == 0:
             assert wait_ms > wait
         else:
-            assert recheck and pause_before <= now
+            assert recheck and pause_before <= call_at
 
     @rule(skew=SKEWS, pause_ms=st.sampled_from([0.0, 0.25, 7.0, 50.0, 1000.0]))
     def pause(self, skew: float | str, pause_ms: float) -> None:

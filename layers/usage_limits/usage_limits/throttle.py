@@ -8,10 +8,11 @@ and returns the delay; the caller sleeps until its slot. Reservations are ordere
 slot lies past its wait limit (by default the request's deadline) reserves nothing and gets
 ``ProviderBusy`` with a true ``retry_after_s``.
 
-A caller that slept to its slot asks Redis once more, just before it calls, whether the
-provider was paused meanwhile (an upstream 429 seen by another caller): if so it gives its
-slot up and takes one after the pause, within its wait limit, or gets ``ProviderBusy``. A
-caller whose slot was immediate makes no second call. Every script call carries an id of its
+A caller that sleeps to its slot asks Redis once more, just before its slot (two of its
+round trips early), whether the provider will be paused when it calls (an upstream 429 seen
+by another caller meanwhile): if so it gives its slot up and takes one after the pause,
+within its wait limit, or gets ``ProviderBusy``. A caller whose slot is immediate (or less
+than that lead away) makes no second call. Every script call carries an id of its
 own, and a call run twice (redis-py re-sends a script whose reply was lost) reserves once.
 An upstream's Retry-After is bounded by ``max_pause_s`` (``<PROVIDER>_MAX_PAUSE_S``).
 
@@ -68,6 +69,9 @@ DEFAULT_PAUSE_S = 1.0
 #: ``fetch.py`` bounds a page's; ``MAX_PAUSE_LIMIT_S`` bounds the setting itself.
 DEFAULT_MAX_PAUSE_S = 60.0
 MAX_PAUSE_LIMIT_S = 300.0
+#: The recheck for a pause is sent this long before the slot at most (at least two of the
+#: acquire's round trips, so that its answer is back by the slot).
+MAX_RECHECK_LEAD_S = 0.05
 #: How long a script call's answer is kept for a re-send of the same call (redis-py re-sends
 #: within its socket timeout and backoff; a command held up in the network arrives later).
 ANSWER_TTL_S = 10.0
@@ -410,9 +414,9 @@ class ProviderThrottle:
         loop = asyncio.get_running_loop()
         requested = time.time()
         start = loop.time()
-        now = requested
+        now = call_at = requested
         recheck = False
-        slot_at, seq = requested, 0
+        slot_at, seq, due = requested, 0, start
         for _ in range(MAX_READMISSIONS + 1):
             # Wall clock first, loop clock second: a pause between the two readings can
             # only make this caller wake late, never before its slot.
@@ -421,30 +425,36 @@ class ProviderThrottle:
                 self._client, [self._state_key, self._answer_key()], [
                     f"{now * 1000:.3f}", self._interval_ms, repr(self.burst), repr(cost),
                     f"{max(0.0, limit_s - (asked - start)) * 1000:.3f}",
-                    self._answer_ttl_ms, 1 if recheck else 0])
+                    self._answer_ttl_ms, 1 if recheck else 0, f"{call_at * 1000:.3f}"])
+            round_trip = loop.time() - asked
             admitted = int(reply[0])
             wait_s = float(reply[1]) / 1000
             if admitted == 0:
                 raise ProviderBusy(self.provider, wait_s)
-            if admitted == 2:  # a recheck: no pause landed while this caller slept
-                return Admission(waited_s=loop.time() - start, requested_at=requested,
-                                 slot_at=slot_at, granted_at=time.time(), seq=seq)
-            slot_at, seq = float(reply[2]) / 1000, int(reply[3])
-            due = asked + wait_s
+            if admitted == 1:
+                slot_at, seq = float(reply[2]) / 1000, int(reply[3])
+                due = asked + wait_s
+                lead = min(MAX_RECHECK_LEAD_S, 2 * round_trip)
+                if due - loop.time() > lead:
+                    # It sleeps: an upstream 429 may pause the provider meanwhile. Just
+                    # before the slot, one more round trip either lets it go at its slot
+                    # or moves it to a slot after the pause.
+                    await _sleep_until(loop, due - lead)
+                    now = time.time()
+                    call_at = now + (due - loop.time())
+                    recheck = True
+                    continue
+            # admitted == 2: a recheck found no pause at this caller's slot.
             await _sleep_until(loop, due)
-            now = time.time()
             # Woken later than the provider's counting can absorb (a busy loop or host):
             # going now could put one call too many into a window. Take a new slot instead;
             # the old one stays unused.
             if self.jitter_s != 0 and loop.time() - due > self.jitter_s:
+                now = call_at = time.time()
                 recheck = False
                 continue
-            if wait_s <= 0:  # an immediate slot: nothing can have paused it since
-                return Admission(waited_s=loop.time() - start, requested_at=requested,
-                                 slot_at=slot_at, granted_at=time.time(), seq=seq)
-            # It slept: an upstream 429 may have paused the provider meanwhile. One more
-            # round trip either lets it go or moves it to a slot after the pause.
-            recheck = True
+            return Admission(waited_s=loop.time() - start, requested_at=requested,
+                             slot_at=slot_at, granted_at=time.time(), seq=seq)
         raise ProviderBusy(self.provider, self.interval_s,
                            f"provider {self.provider!r}: this instance keeps waking too late "
                            f"for its slots")

@@ -10,9 +10,10 @@ Idempotent per call: a reservation's answer is kept under the call's own key for
 answer_ttl_ms, and the same call run again (redis-py re-sends a script whose reply was lost;
 a command held up in the network may arrive late) gets that answer and reserves nothing.
 
-Recheck (ARGV[7] = 1): the caller already holds a slot and slept until it. If the provider
-was paused meanwhile (an upstream 429 landed), the old slot is given up and a new one after
-the pause is reserved, as by a fresh call; if not, nothing is written and the caller goes.
+Recheck (ARGV[7] = 1): the caller holds a slot and slept until just before it. If the
+provider is paused at the moment it would call (ARGV[8]; an upstream 429 landed meanwhile),
+the old slot is given up and a new one after the pause is reserved, as by a fresh call; if
+not, nothing is written and the caller goes at its slot.
 
 KEYS[1]  state        hash of the provider (all keys share the provider's hash tag):
                         tat    theoretical arrival time, ms since the epoch
@@ -27,6 +28,7 @@ ARGV[4]  cost          this request's cost, cost units (> 0)
 ARGV[5]  max_wait_ms   longest wait the caller accepts, ms (>= 0)
 ARGV[6]  answer_ttl_ms how long a reservation's answer is kept for a re-sent call, ms
 ARGV[7]  recheck       1: the caller slept to a slot it holds; 0: an ordinary reservation
+ARGV[8]  call_at_ms    recheck only: when the caller will call (its slot), caller's clock, ms
 
 Returns {admitted, wait_ms, slot_ms, seq}:
   admitted  1 when a slot was reserved (now or by the same call before), 0 when it lies
@@ -43,6 +45,7 @@ local cost = tonumber(ARGV[4])
 local max_wait = tonumber(ARGV[5])
 local answer_ttl = tonumber(ARGV[6])
 local recheck = ARGV[7] == '1'
+local call_at = tonumber(ARGV[8])
 
 -- Fixed-point text keeps sub-ms precision (Lua's default %.14g would round ms timestamps);
 -- stored times are rounded up so rounding can never admit more than the rate.
@@ -60,7 +63,7 @@ local tat = tonumber(s[1]) or 0
 local clock = math.max(tonumber(s[2]) or 0, now)
 local pause = tonumber(s[3]) or 0
 
-if recheck and pause <= now then
+if recheck and pause <= call_at then
   return {2, '0', fmt(now), 0}
 end
 

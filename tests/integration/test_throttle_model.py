@@ -377,6 +377,8 @@ class ThrottleMachine(RuleBasedStateMachine):
             for k in ("leases", "waiters", "wexpiry"):
                 assert {i: v for i, v in after[k].items() if i != lid} == {
                     i: v for i, v in before[k].items() if i != lid}
+            if lid not in after["leases"]:
+                self.gone.add(lid)
         if call.name == "throttle_lease_acquire":
             lid = call.args[3]
             if lid in self.model.released:  # its tombstone is still there

@@ -33,7 +33,6 @@ import httpx
 
 from usage_limits.deadline import remaining_s
 from usage_limits.exceptions import ProviderBusy
-from usage_limits.throttle import DEFAULT_PAUSE_S
 from usage_limits.web import observability as obs
 from usage_limits.web import runtime
 from usage_limits.web.errors import ProviderError
@@ -63,27 +62,27 @@ def http_client() -> httpx.AsyncClient:
     return _http
 
 
-def retry_after_s(response: httpx.Response, default: float = DEFAULT_PAUSE_S) -> float:
-    """The ``Retry-After`` of a response in seconds, or ``default`` when it says nothing usable.
+def retry_after_s(response: httpx.Response) -> float | None:
+    """The ``Retry-After`` of a response in seconds, or None when it says nothing usable.
 
     Both forms are read: delta seconds (``120``, ``1.5``) and an HTTP date. A value that is
     not a finite number >= 0 (``inf``, ``nan``, ``-3``), an unreadable one, or a date in the
-    past gives ``default``. The result is not bounded above: ``ProviderThrottle.pause``
-    clamps it to the provider's maximum pause.
+    past gives None, which ``ProviderThrottle.bounded_pause_s`` turns into the default pause;
+    it also bounds the result by the provider's maximum pause.
     """
     value = response.headers.get("retry-after", "").strip()
     if not value:
-        return default
+        return None
     try:
         seconds = float(value)
     except ValueError:
         try:
             when = email.utils.parsedate_to_datetime(value)
         except (TypeError, ValueError, IndexError):
-            return default
+            return None
         seconds = when.timestamp() - time.time()
-        return seconds if seconds > 0 else default
-    return seconds if math.isfinite(seconds) and seconds >= 0 else default
+        return seconds if seconds > 0 else None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 class ProviderClient:

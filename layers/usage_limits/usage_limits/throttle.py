@@ -8,12 +8,13 @@ and returns the delay; the caller sleeps until its slot. Reservations are ordere
 slot lies past its wait limit (by default the request's deadline) reserves nothing and gets
 ``ProviderBusy`` with a true ``retry_after_s``.
 
-A caller that sleeps to its slot asks Redis once more, just before its slot (two of its
-round trips early), whether the provider will be paused when it calls (an upstream 429 seen
-by another caller meanwhile): if so it gives its slot up and takes one after the pause,
-within its wait limit, or gets ``ProviderBusy``. A caller whose slot is immediate (or less
-than that lead away) makes no second call. Every script call carries an id of its
-own, and a call run twice (redis-py re-sends a script whose reply was lost) reserves once.
+A caller that sleeps to its slot asks Redis once more, just before its slot (three of its
+round trips early, 5 to 50 ms), whether the provider will be paused when it calls (an
+upstream 429 seen by another caller meanwhile): if so it gives its slot up and takes one
+after the pause, within its wait limit, or gets ``ProviderBusy``. A caller whose slot is
+immediate (or less than that lead away) makes no second call. Every script call carries an
+id of its own, and a call run twice (redis-py re-sends a script whose reply was lost)
+reserves once.
 An upstream's Retry-After is bounded by ``max_pause_s`` (``<PROVIDER>_MAX_PAUSE_S``).
 
 Example:
@@ -69,8 +70,10 @@ DEFAULT_PAUSE_S = 1.0
 #: ``fetch.py`` bounds a page's; ``MAX_PAUSE_LIMIT_S`` bounds the setting itself.
 DEFAULT_MAX_PAUSE_S = 60.0
 MAX_PAUSE_LIMIT_S = 300.0
-#: The recheck for a pause is sent this long before the slot at most (at least two of the
-#: acquire's round trips, so that its answer is back by the slot).
+#: The recheck for a pause is sent three of the acquire's round trips before the slot, at
+#: least 5 ms and at most 50 ms, so that its answer is back by the slot even when one round
+#: trip takes longer than the last (a late answer would cost the caller its slot).
+MIN_RECHECK_LEAD_S = 0.005
 MAX_RECHECK_LEAD_S = 0.05
 #: How long a script call's answer is kept for a re-send of the same call (redis-py re-sends
 #: within its socket timeout and backoff; a command held up in the network arrives later).
@@ -434,7 +437,7 @@ class ProviderThrottle:
             if admitted == 1:
                 slot_at, seq = float(reply[2]) / 1000, int(reply[3])
                 due = asked + wait_s
-                lead = min(MAX_RECHECK_LEAD_S, 2 * round_trip)
+                lead = min(MAX_RECHECK_LEAD_S, max(MIN_RECHECK_LEAD_S, 3 * round_trip))
                 if due - loop.time() > lead:
                     # It sleeps: an upstream 429 may pause the provider meanwhile. Just
                     # before the slot, one more round trip either lets it go at its slot

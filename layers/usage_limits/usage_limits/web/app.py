@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from ..exceptions import InvalidArgument, LimiterUnavailable, ProviderBusy
 from .errors import ApiError, error_response, retry_after_header
+from .metering import MeteredRoute
 from .middleware import UsageLimitsMiddleware
 
 log = logging.getLogger("usage_limits.web")
@@ -56,6 +57,9 @@ COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
     409: _doc("idempotency_conflict: this Idempotency-Key was already used"),
+    422: _doc("invalid_request: the body failed validation; or cost_exceeds_plan: the "
+              "request costs more than a window of the plan allows (cost, limit, window_s "
+              "in the body), so it can never be served: do not retry"),
     429: _doc("budget_exceeded: the token budget is spent; see Retry-After"),
     502: _doc("provider_error: the upstream provider failed; tokens refunded"),
 }
@@ -64,6 +68,7 @@ METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
 def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
     """A FastAPI app whose errors follow the public contract and whose charges are refunded."""
     app = FastAPI(title=title, version=version, responses=COMMON_RESPONSES, **kwargs)
+    app.router.route_class = MeteredRoute  # charges after validation, before the route runs
     app.add_middleware(UsageLimitsMiddleware)
 
     @app.exception_handler(ApiError)

@@ -46,8 +46,8 @@ from usage_limits.keys import provider_keys
 BASE_MS = 1_800_000_000_000.0
 #: Answers are kept longer than any example runs (the production value is 10 s).
 ANSWER_TTL_MS = 600_000
-#: Steps per example (at most): ci runs 100 examples of up to 80 steps (about 5,000 script
-#: calls and checks in all), long 2,000 examples of up to 200.
+#: Steps per example (at most): ci runs 100 examples of up to 80 steps (about 8,000 steps
+#: in all), long 2,000 examples of up to 200.
 STEPS = 80 if settings().max_examples <= 100 else 200
 NAMES = ("throttle_acquire", "throttle_pause", "throttle_lease_acquire",
          "throttle_lease_release")

@@ -178,13 +178,15 @@ def event_file(spec: Any, emulator: Any, folder: Path) -> Path:
     return path
 
 
-def run_once(spec: Any, module: str, event: Path, env: dict[str, str]) -> dict[str, float]:
-    """One fresh interpreter: import ``module`` and answer ``event`` with its handler."""
+def run_once(spec: Any, module: str, event: Path, env: dict[str, str],
+             tree: Path = ROOT) -> dict[str, float]:
+    """One fresh interpreter: import ``module`` and answer ``event`` with its handler, in the
+    function's code directory of the checkout at ``tree``."""
     attribute = spec.handler.rpartition(".")[2]
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(event), module, spec.logical_id, str(spec.timeout),
          attribute],
-        cwd=ROOT / spec.code_dir, env=env, capture_output=True, text=True, timeout=120)
+        cwd=tree / spec.code_dir, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("COLD-START ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{spec.logical_id} ({module}) failed:\n{proc.stderr[-3000:]}")
@@ -203,42 +205,87 @@ def provider_wait_ms(stdout: str) -> float:
     return waited
 
 
-def bench(repeats: int, *, tracing: bool, secrets: bool) -> list[dict[str, Any]]:
+def bench(repeats: int, *, tracing: bool, secrets: bool, trees: dict[str, Path] | None = None,
+          handlers: list[str] | None = None, server: Any = None) -> dict[str, list[dict[str, Any]]]:
+    """Lazy against eager cold starts of every handler, for each tree of code.
+
+    Args:
+        repeats: timed runs per handler, variant and tree.
+        tracing, secrets: see the module's docstring.
+        trees: name -> the root of a checkout whose ``layers`` and ``functions`` run (the
+            measuring code is always this one); ``{"now": ROOT}`` when None. Runs of every
+            tree are interleaved, so all of them see the same machine.
+        handlers: the function directories to run (every one when None).
+        server: a running ``RedisServer`` to use (flushed before each run); a private one
+            when None.
+
+    Returns:
+        Per tree, one row per handler: medians of import_ms, total_ms and wait_ms for the
+        lazy and the eager variant, and the statuses answered.
+    """
     from local.emulator import EmulatorProcess
     from local.redis_servers import RedisServer
     from local.template import functions
 
-    rows = []
+    trees = trees or {"now": ROOT}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     stub = ThreadingHTTPServer(("127.0.0.1", 0), SecretsStub) if secrets else None
     if stub is not None:
         threading.Thread(target=stub.serve_forever, daemon=True).start()
     secrets_url = f"http://127.0.0.1:{stub.server_port}" if stub is not None else None
+    own = RedisServer() if server is None else None
     try:
-        with RedisServer() as server, EmulatorProcess() as emulator, \
-                tempfile.TemporaryDirectory() as tmp:
+        redis = own.start() if own is not None else server
+        with EmulatorProcess() as emulator, tempfile.TemporaryDirectory() as tmp:
             for spec in functions():
-                if not (ROOT / spec.code_dir / "app.py").exists():
+                name = Path(spec.code_dir).name
+                if handlers is not None and name not in handlers:
                     continue
-                env = child_env(spec, server.url, emulator, tracing=tracing,
+                if not all((tree / spec.code_dir / "app.py").exists() for tree in trees.values()):
+                    continue
+                env = child_env(spec, redis.url, emulator, tracing=tracing,
                                 secrets_url=secrets_url)
                 event = event_file(spec, emulator, Path(tmp))
                 variants = {"lazy": spec.handler.rpartition(".")[0], "eager": "_eager_variant"}
-                samples: dict[str, list[dict[str, float]]] = {"lazy": [], "eager": []}
+                runs = [(tree, variant) for tree in trees for variant in variants]
+                samples: dict[tuple[str, str], list[dict[str, float]]] = {r: [] for r in runs}
                 for i in range(repeats + 1):
-                    order = ("lazy", "eager") if i % 2 == 0 else ("eager", "lazy")
-                    for variant in order:
-                        server.cli("FLUSHALL")
-                        result = run_once(spec, variants[variant], event, env)
+                    for tree, variant in runs[i % len(runs):] + runs[:i % len(runs)]:
+                        redis.cli("FLUSHALL")
+                        result = run_once(spec, variants[variant], event,
+                                          tree_env(env, trees[tree]), trees[tree])
                         if i:  # the first round only warms the disk cache
-                            samples[variant].append(result)
-                rows.append({"handler": Path(spec.code_dir).name, **{
-                    f"{variant}_{key}": statistics.median(s[key] for s in samples[variant])
-                    for variant in samples for key in ("import_ms", "total_ms", "wait_ms")},
-                    "status": sorted({int(s["status"]) for v in samples.values() for s in v})})
+                            samples[(tree, variant)].append(result)
+                for tree in trees:
+                    rows[tree].append({"handler": name, **{
+                        f"{variant}_{key}": statistics.median(
+                            s[key] for s in samples[(tree, variant)])
+                        for variant in variants
+                        for key in ("import_ms", "total_ms", "wait_ms")},
+                        "status": sorted({int(s["status"]) for v in variants
+                                          for s in samples[(tree, v)]})})
     finally:
+        if own is not None:
+            own.close()
         if stub is not None:
             stub.shutdown()
     return rows
+
+
+def tree_env(env: dict[str, str], tree: Path) -> dict[str, str]:
+    """``env`` with the layers and task root of the checkout at ``tree``."""
+    layers = [tree / "layers" / "usage_limits", tree / "layers" / "providers"]
+    task_root = Path(env["LAMBDA_TASK_ROOT"])
+    return {**env, "PYTHONPATH": os.pathsep.join([str(BENCH), *map(str, layers)]),
+            "LAMBDA_TASK_ROOT": str(tree / task_root.relative_to(ROOT))}
+
+
+def median_ratio(rows: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """Median over handlers of lazy and eager import + first call (slot waits left out), ms,
+    and their ratio."""
+    lazy = statistics.median(r["lazy_total_ms"] - r["lazy_wait_ms"] for r in rows)
+    eager = statistics.median(r["eager_total_ms"] - r["eager_wait_ms"] for r in rows)
+    return lazy, eager, lazy / eager
 
 
 def main() -> None:
@@ -256,7 +303,7 @@ def main() -> None:
     except ImportError:
         sys.exit("the eager variant's Tracer needs aws-xray-sdk: "
                  ".venv/bin/pip install aws-xray-sdk")
-    rows = bench(repeats, tracing=args.tracing, secrets=args.secrets)
+    rows = bench(repeats, tracing=args.tracing, secrets=args.secrets)["now"]
     mode = (f"tracing {'on' if args.tracing else 'off'} in both, provider keys from "
             f"{'Secrets Manager (stub)' if args.secrets else 'environment variables'}")
     print(f"\nCold start: import + first invocation, median of {repeats} fresh interpreters "
@@ -273,8 +320,7 @@ def main() -> None:
         print(f"| {r['handler']}{status} | {r['lazy_import_ms']:.0f} | {r['lazy_total_ms']:.0f} "
               f"| {r['eager_import_ms']:.0f} | {r['eager_total_ms']:.0f} | {ratio:.2f}x "
               f"| {r['lazy_wait_ms']:.0f} / {r['eager_wait_ms']:.0f} | {bare:.2f}x |")
-    lazy = statistics.median(r["lazy_total_ms"] - r["lazy_wait_ms"] for r in rows)
-    eager = statistics.median(r["eager_total_ms"] - r["eager_wait_ms"] for r in rows)
+    lazy, eager, _ = median_ratio(rows)
     print(f"\nMedian over handlers, slot waits left out: lazy {lazy:.0f} ms, eager {eager:.0f} ms, "
           f"{lazy / eager:.2f}x (target <= 0.70x). Slot waits are the provider throttle's "
           "(ProviderWaitMs of the request's metrics line).")

@@ -14,6 +14,7 @@ Runs in one process against a private redis-server:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import subprocess
@@ -22,8 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "layers" / "usage_limits"),
-                str(ROOT / "layers" / "providers")]
+LAYERS = [str(ROOT / "layers" / "usage_limits"), str(ROOT / "layers" / "providers")]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # for local.*; the layers come first only in main()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,19 +47,31 @@ class RoundTrips:
         client.execute_command = counted
 
 
-def invocation_bench(requests: int) -> list[tuple[str, float, float, float]]:
-    from fastapi import Depends
-    from mangum import Mangum
+class Invocations:
+    """A guarded and an unguarded route of one app, called as Lambda calls a handler.
 
-    from local.lambda_events import FakeContext, http_event, lambda_loop
-    from local.redis_servers import RedisServer
-    from usage_limits.web import create_app, require_tokens, runtime, settings
+    ``round`` interleaves three kinds of call on the environment's one event loop: a full
+    handler invocation of the guarded route, the same of the unguarded route, and the
+    guard's own reservation awaited on its own (same client, ledger and plan), so the guard's
+    Python around its round trip is guarded - unguarded - reservation.
 
-    rows = []
-    with RedisServer() as server, lambda_loop():
-        os.environ.update(REDIS_URL=server.url, ATTO_BUDGET="100000000/1h,1000000000/30d",
+    Args:
+        redis_url: the redis-server to use.
+        user: the caller (one per tree, so two trees never share a budget's keys).
+    """
+
+    def __init__(self, redis_url: str, user: str = "user-123") -> None:
+        from fastapi import Depends
+        from mangum import Mangum
+
+        from local.lambda_events import FakeContext, http_event
+        from usage_limits.web import create_app, require_tokens, runtime, settings
+
+        os.environ.update(REDIS_URL=redis_url, ATTO_BUDGET="100000000/1h,1000000000/30d",
                           POWERTOOLS_METRICS_DISABLED="true", LOG_LEVEL="WARNING")
         settings.cache_clear()
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
         app = create_app("overhead")
 
         @app.post("/guarded", dependencies=[Depends(require_tokens(cost=1))])
@@ -68,26 +82,79 @@ def invocation_bench(requests: int) -> list[tuple[str, float, float, float]]:
         async def plain() -> dict[str, bool]:
             return {"ok": True}
 
-        handler = Mangum(app, lifespan="off")
-        events = {name: http_event("POST", f"/{name}", body={}) for name in ("guarded", "plain")}
+        self.handler = Mangum(app, lifespan="off")
+        self.context = FakeContext
+        self.user, self.settings, self.runtime = user, settings, runtime
+        self.events = {name: http_event("POST", f"/{name}", body={}, user=user)
+                       for name in ("guarded", "plain")}
+        self.calls = 0
         for _ in range(200):  # warm up: imports, connection, script cache
-            for event in events.values():
-                handler(event, FakeContext())
-        trips = RoundTrips(runtime.get_redis.__globals__["_client"])
-        timings: dict[str, list[float]] = {"guarded": [], "plain": []}
-        commands = {"guarded": 0, "plain": 0}
+            self.invoke("guarded")
+            self.invoke("plain")
+            self.reserve()
+        self.trips = RoundTrips(runtime.get_redis.__globals__["_client"])
+
+    def invoke(self, name: str) -> float:
+        """One full handler invocation of route ``name``, µs."""
+        self.calls += 1
+        event = dict(self.events[name])
+        event["requestContext"] = {**event["requestContext"],
+                                   "requestId": f"{name}-{self.calls}"}
+        start = time.perf_counter()
+        self.handler(event, self.context())
+        return (time.perf_counter() - start) * 1e6
+
+    def reserve(self) -> float:
+        """The guard's reservation alone, awaited on the same loop and client, µs."""
+        self.calls += 1
+        rid = f"direct-{self.calls}"
+
+        async def timed() -> float:
+            budget = self.runtime.get_budget(self.settings().plan)
+            start = time.perf_counter()
+            await budget.reserve(self.user, rid, cost=1, route="/guarded")
+            return (time.perf_counter() - start) * 1e6
+
+        return self.loop.run_until_complete(timed())
+
+    def round(self, requests: int) -> dict[str, list[float]]:
+        """``requests`` calls of each kind, interleaved in a rotating order; samples in µs."""
+        kinds = {"guarded": lambda: self.invoke("guarded"),
+                 "plain": lambda: self.invoke("plain"), "reserve": self.reserve}
+        order = list(kinds)
+        samples: dict[str, list[float]] = {name: [] for name in kinds}
         for i in range(requests):
-            for name in (("guarded", "plain") if i % 2 else ("plain", "guarded")):
-                event = dict(events[name])
-                event["requestContext"] = {**event["requestContext"], "requestId": f"{name}-{i}"}
-                before = trips.count
-                start = time.perf_counter()
-                handler(event, FakeContext())
-                timings[name].append((time.perf_counter() - start) * 1e6)
-                commands[name] += trips.count - before
-        for name in ("plain", "guarded"):
-            t = timings[name]
-            rows.append((name, percentile(t, 0.5), percentile(t, 0.99), commands[name] / requests))
+            for name in order[i % 3:] + order[:i % 3]:
+                samples[name].append(kinds[name]())
+        return samples
+
+    def round_trips(self, name: str, requests: int = 50) -> float:
+        """Redis commands sent per full invocation of route ``name``."""
+        before = self.trips.count
+        for _ in range(requests):
+            self.invoke(name)
+        return (self.trips.count - before) / requests
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+        asyncio.set_event_loop(None)
+
+
+def invocation_bench(requests: int) -> list[tuple[str, float, float, float]]:
+    from local.redis_servers import RedisServer
+
+    rows = []
+    with RedisServer() as server:
+        bench = Invocations(server.url)
+        try:
+            samples = bench.round(requests)
+            for name in ("plain", "guarded"):
+                t = samples[name]
+                rows.append((name, percentile(t, 0.5), percentile(t, 0.99),
+                             bench.round_trips(name)))
+        finally:
+            bench.close()
     return rows
 
 
@@ -116,6 +183,7 @@ def main() -> None:
     parser.add_argument("--imports", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a short run (300 requests)")
     args = parser.parse_args()
+    sys.path[:0] = LAYERS
     if args.quick:
         args.requests, args.imports = 300, 2
     rows = invocation_bench(args.requests)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [str(ROOT / "layers" / "usage_limits"), str(ROOT / "layers" / "providers")]
@@ -141,6 +142,113 @@ class Invocations:
         asyncio.set_event_loop(None)
 
 
+class Parts:
+    """Wall time spent inside chosen functions during guarded invocations, µs per request.
+
+    Each function is wrapped in place (module attribute or method) by a timer that adds its
+    inclusive time to ``spent[label]``; nested parts are reported inclusive, so a parent's
+    own share is its time minus its children's.
+    """
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        import functools
+        import inspect
+
+        original = getattr(owner, name)
+        spent = self.spent
+        spent.setdefault(label, 0.0)
+        if inspect.iscoroutinefunction(original):
+            @functools.wraps(original)
+            async def timed(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return await original(*args, **kwargs)
+                finally:
+                    spent[label] += time.perf_counter() - start
+        else:
+            @functools.wraps(original)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    spent[label] += time.perf_counter() - start
+        self._undo.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        for label in self.spent:
+            self.spent[label] = 0.0
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+
+def profile_guard(requests: int) -> list[tuple[str, float]]:
+    """Where the guard's time goes: µs per request in each part, and the rest.
+
+    Calls the guarded and the unguarded route alternately; the parts are timed during the
+    guarded calls only, and each row is a median over requests (a busy machine's preemptions
+    would swamp means). "FastAPI + middleware rest" is guarded - unguarded minus the
+    dependency and the RateLimit headers: FastAPI resolving one more dependency, the
+    middleware's per-request work that a charge adds, and the timers themselves.
+    """
+    from local.redis_servers import RedisServer
+    from usage_limits import budget as budget_module
+    from usage_limits import budget as ledger
+    from usage_limits._scripts import LuaScript
+    from usage_limits.web import guard, identity, middleware
+    from usage_limits.web import observability as obs
+
+    with RedisServer() as server:
+        bench = Invocations(server.url)
+        parts = Parts()
+        client = bench.runtime.get_redis.__globals__["_client"]
+        # the dependency itself: the closure FastAPI calls, found on the route
+        route = next(r for r in bench.handler.app.routes if getattr(r, "path", "") == "/guarded")
+        dependant = route.dependant.dependencies[0]
+        parts.wrap(dependant, "call", "dependency (reserve_tokens), all of it")
+        parts.wrap(guard, "current_user", "  current_user (identity, log keys, user hash)")
+        parts.wrap(identity, "request_id", "  identity.request_id")
+        parts.wrap(guard, "settings", "  settings()")
+        parts.wrap(guard.runtime, "get_budget", "  runtime.get_budget")
+        parts.wrap(ledger.TokenBudget, "reserve", "  TokenBudget.reserve, all of it")
+        parts.wrap(ledger.TokenBudget, "_reserve_call", "    _reserve_call (validation, args)")
+        parts.wrap(LuaScript, "__call__", "    LuaScript call (EVALSHA round trip)")
+        parts.wrap(client, "execute_command", "      redis-py execute_command (send, wait, parse)")
+        parts.wrap(budget_module, "_decode_reservation", "    _decode_reservation")
+        parts.wrap(guard.obs, "count", "  obs.count")
+        parts.wrap(middleware, "_ratelimit_headers", "RateLimit headers (middleware)")
+        parts.wrap(obs, "flush", "obs.flush (metrics line)")
+        timings: dict[str, list[float]] = {"guarded": [], "plain": []}
+        per_request: dict[str, list[float]] = {label: [] for label in parts.spent}
+        try:
+            for i in range(requests):
+                for name in (("guarded", "plain") if i % 2 else ("plain", "guarded")):
+                    parts.reset()
+                    timings[name].append(bench.invoke(name))
+                    if name == "guarded":
+                        for label, spent in parts.spent.items():
+                            per_request[label].append(spent * 1e6)
+        finally:
+            parts.restore()
+            bench.close()
+    rows = [(label, statistics.median(spent)) for label, spent in per_request.items()]
+    guarded = statistics.median(timings["guarded"])
+    plain = statistics.median(timings["plain"])
+    spent = dict(rows)
+    rest = (guarded - plain - spent["dependency (reserve_tokens), all of it"]
+            - spent["RateLimit headers (middleware)"])
+    return [("guarded invocation", guarded), ("unguarded invocation", plain),
+            ("guard adds", guarded - plain), *rows, ("FastAPI + middleware rest", rest)]
+
+
 def invocation_bench(requests: int) -> list[tuple[str, float, float, float]]:
     from local.redis_servers import RedisServer
 
@@ -182,8 +290,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--imports", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a short run (300 requests)")
+    parser.add_argument("--profile", action="store_true",
+                        help="only: where the guard's time goes, part by part")
     args = parser.parse_args()
     sys.path[:0] = LAYERS
+    if args.profile:
+        requests = 300 if args.quick else args.requests
+        print(f"\nWhere a guarded invocation's time goes, {requests} requests (µs per request;"
+              " nested parts are inclusive)\n")
+        print("| part | µs |")
+        print("|---|---:|")
+        for label, micros in profile_guard(requests):
+            print(f"| {label.replace(' ', '&nbsp;', len(label) - len(label.lstrip()))} "
+                  f"| {micros:.1f} |")
+        return
     if args.quick:
         args.requests, args.imports = 300, 2
     rows = invocation_bench(args.requests)

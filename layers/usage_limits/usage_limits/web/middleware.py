@@ -14,6 +14,7 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 from typing import Any
 
 from starlette.requests import Request
@@ -218,6 +219,13 @@ def _label(seconds: int) -> str:
     return f"{seconds}s"
 
 
+@lru_cache(maxsize=32)
+def _window_fields(limit: int, window_s: float) -> tuple[str, str]:
+    """A window's label and its ``RateLimit-Policy`` item: the same for every request."""
+    label = _label(int(window_s))
+    return label, f'"{label}";q={limit};w={int(window_s)}'
+
+
 def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes, bytes]]:
     """IETF ``RateLimit-Policy`` and ``RateLimit`` fields, one item per window, in tokens.
 
@@ -231,8 +239,8 @@ def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes
     now = time.time()
     policies, limits = [], []
     for w in reservation.windows:
-        label = _label(int(w.window_s))
-        policies.append(f'"{label}";q={w.limit};w={int(w.window_s)}')
+        label, policy = _window_fields(w.limit, w.window_s)
+        policies.append(policy)
         remaining = min(w.limit, w.remaining + give_back)
         reset = max(0, round(w.resets_at - now)) if w.resets_at else 0
         limits.append(f'"{label}";r={remaining};t={reset}')

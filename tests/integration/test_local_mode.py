@@ -131,3 +131,18 @@ def test_serve_with_its_port_taken_says_so_before_any_banner() -> None:
     assert "Atto Cloud (local) on" not in out.stdout
     assert re.fullmatch(rf"make serve: port {port} on 127\.0\.0\.1 is already in use.*\n",
                         out.stderr), out.stderr
+
+
+def test_emulator_with_its_port_taken_says_so_before_any_banner() -> None:
+    """The emulator on a port in use exits 2 with one clear line and prints no banner."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        out = subprocess.run([sys.executable, "-m", "local.emulator", "--port", str(port)],
+                             cwd=ROOT, env=serving.fresh_env({}), capture_output=True,
+                             text=True, timeout=60)
+    assert out.returncode == 2
+    assert "serving on" not in out.stderr
+    assert re.fullmatch(rf"emulator: port {port} on 127\.0\.0\.1 is already in use.*\n",
+                        out.stderr), out.stderr

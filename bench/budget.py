@@ -131,7 +131,7 @@ class Ledger:
         d = await self.budget.reserve(self.user, f"m{self.k:015d}", 1, route=ROUTE,
                                       now_ms=T0 + (self.n + self.k) * self.step)
         self.k += 1
-        assert d.allowed and d.windows[0].used == self.n, d
+        assert d.allowed and d.windows[-1].used == self.n, d
 
     async def naive(self) -> None:
         log, ev = user_keys(self.user, "log", "ev")

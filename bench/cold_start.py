@@ -30,6 +30,10 @@ What each run is, and why the comparison is fair:
 - ``--secrets``: provider keys come from Secrets Manager, as in the cloud (``*_SECRET_ARN``
   from the template, served by a local stub via ``AWS_ENDPOINT_URL_SECRETS_MANAGER``), so
   the lazy variant pays for boto3 on its first secret read just as it would in Lambda.
+- Only what a Lambda environment has is importable: the deps layer's pinned packages, the
+  runtime's boto3 and the project's layers. Other venv packages (dev tools) are hidden from
+  the child, since some libraries import optional extras when present (httpx imports its
+  command line, rich and click, if they are installed).
 - The redis-server is flushed before every run: each run sees an empty budget and
   throttle, as a new user would, and never waits for a provider slot.
 - Job extraction's event names a page on the internet; the bench points its ``url`` at
@@ -61,9 +65,21 @@ BENCH = ROOT / "bench"
 LAYERS = [ROOT / "layers" / "usage_limits", ROOT / "layers" / "providers"]
 sys.path[:0] = [str(ROOT)]
 
+#: Set in a child's environment: top-level modules to hide from it (comma-separated).
+HIDE_ENV = "BENCH_HIDE_MODULES"
+#: Distributions a Lambda environment has besides the deps layer: the runtime's boto3 and its
+#: dependencies, its snapshot-restore-py, this project's layers, and the eager variant's
+#: X-Ray SDK.
+RUNTIME_DISTRIBUTIONS = {"boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "six",
+                         "urllib3", "snapshot-restore-py", "atto-cloud-usage-limits",
+                         "aws-xray-sdk", "wrapt", "pip", "setuptools"}
+
 #: The child: read the event, then time import + first invocation (printed as one line).
 CHILD = r"""
-import importlib, json, sys, time
+import importlib, json, os, sys, time
+
+for name in filter(None, os.environ.get("BENCH_HIDE_MODULES", "").split(",")):
+    sys.modules[name] = None  # not in a Lambda environment: importing it fails there too
 
 class Context:
     function_name, aws_request_id, memory_limit_in_mb = sys.argv[3], "cold-start", 512
@@ -122,6 +138,30 @@ class SecretsStub(BaseHTTPRequestHandler):
         pass
 
 
+def lambda_hidden_modules() -> list[str]:
+    """Top-level modules of the venv that a Lambda environment does not have.
+
+    The venv holds dev tools too, and some packages import optional extras when present:
+    httpx imports its command line (rich, click, pygments) when they are installed, which
+    costs a cold start in the venv what it never costs in Lambda. Children hide every
+    module whose distributions are neither in ``layers/deps/requirements.txt`` nor
+    ``RUNTIME_DISTRIBUTIONS``.
+    """
+    import importlib.metadata as metadata
+    import re
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    pinned = [line.split("==")[0] for line in
+              (ROOT / "layers" / "deps" / "requirements.txt").read_text().splitlines()
+              if "==" in line and not line.lstrip().startswith("#")]
+    allowed = {norm(name) for name in [*pinned, *RUNTIME_DISTRIBUTIONS]}
+    return sorted(module for module, dists in metadata.packages_distributions().items()
+                  if module.isidentifier() and not module.startswith("_")
+                  and not any(norm(d) in allowed for d in dists))
+
+
 def secret_variables(logical_id: str) -> list[str]:
     """The ``*_SECRET_ARN`` variables template.yaml gives this function."""
     from local.template import load_template
@@ -146,7 +186,7 @@ def child_env(spec: Any, redis_url: str, emulator: Any, *, tracing: bool,
         "AWS_LAMBDA_FUNCTION_MEMORY_SIZE": "512", "AWS_REGION": "us-east-1",
         "AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "cold-start",
         "AWS_SECRET_ACCESS_KEY": "cold-start", "AWS_SESSION_TOKEN": "cold-start",
-        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_EC2_METADATA_DISABLED": "true", HIDE_ENV: ",".join(lambda_hidden_modules()),
     })
     if tracing:
         env["_X_AMZN_TRACE_ID"] = ("Root=1-5759e988-bd862e3fe1be46a994272793;"

@@ -380,9 +380,11 @@ def _plan(windows: Sequence[Window]) -> tuple[Window, ...]:
 
 
 @lru_cache(maxsize=64)
-def _plan_args(plan: tuple[Window, ...]) -> tuple[int, tuple[int, ...]]:
-    """The plan's smallest limit and its window_ms, limit pairs as the reserve script reads them."""
-    return min(w.limit for w in plan), tuple(x for w in plan for x in (w.ms, w.limit))
+def _plan_args(plan: tuple[Window, ...]) -> tuple[int, tuple[bytes]]:
+    """The plan's smallest limit and its one "<window_ms>:<limit> ..." argument of the reserve
+    script, encoded once."""
+    encoded = " ".join(f"{w.ms}:{w.limit}" for w in plan).encode()
+    return min(w.limit for w in plan), (encoded,)
 
 
 @lru_cache(maxsize=1024)

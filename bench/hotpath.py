@@ -63,7 +63,7 @@ class Preset:
 
 
 FULL = Preset(sizes=(10, 100_000), rounds=10, ledger_calls=200, guard_calls=300,
-              cold_repeats=5, cold_handlers=None)
+              cold_repeats=3, cold_handlers=None)
 QUICK = Preset(sizes=(10, 100_000), rounds=3, ledger_calls=60, guard_calls=60,
                cold_repeats=1, cold_handlers=("structured", "usage"))
 

@@ -113,12 +113,18 @@ def _setup(env: dict[str, str], lease_s: float | None,
     return {name: importlib.import_module(spec[0]).handler for name, spec in ROUTES.items()}
 
 
-def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int,
+def _until(stop_at: Any) -> float:
+    """The stop time: a plain number, or the current value of a shared one."""
+    return float(stop_at.value if hasattr(stop_at, "value") else stop_at)
+
+
+def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
          users: list[str], timeout_s: float, idem_fraction: float = 0.2,
          repeat_fraction: float = 0.35, only: str | None = None,
          lease_s: float | None = None, think_s: float = 0.01,
          start_at: float = 0.0, retries: Any = None) -> None:
-    """Invoke handlers until ``stop_at`` (epoch seconds); ``only`` pins one route, once.
+    """Invoke handlers until ``stop_at`` (epoch seconds, or a shared ``multiprocessing.Value``
+    holding them, which the harness may push back); ``only`` pins one route, once.
 
     ``retries`` is the multiprocessing queue of keyed requests that got a 503 somewhere:
     this process sends those of other processes again (see the module docstring).
@@ -136,7 +142,7 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int
     used_keys: list[tuple[str, str, str, dict[str, Any]]] = []  # (user, key, route, request)
     with open(out_path, "a", buffering=1) as out, lambda_loop():
         n = 0
-        while time.time() < stop_at:
+        while time.time() < _until(stop_at):
             n += 1
             key: str | None = None
             retry_of = _take_retry(retries, wid)
@@ -188,7 +194,7 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int
                 wait_s = float(hdrs.get("retry-after", "1") or 1)
                 retries.put((user, key, route, req, wid, t1 + wait_s, tries + 1))
                 if rng.random() < 0.5:  # no invocation for a while: kept refunds wait
-                    time.sleep(max(0.0, min(IDLE_AFTER_503_S, stop_at - time.time())))
+                    time.sleep(max(0.0, min(IDLE_AFTER_503_S, _until(stop_at) - time.time())))
             if only is not None:
                 return
             if think_s:

@@ -43,6 +43,8 @@ FAILURE_RATE = 0.05
 #: Environments start this far apart, as a fleet scaling out does (not all in the same ms):
 #: eight first requests at once on two cores hold each other up past any jitter allowance.
 STAGGER_S = 0.25
+#: Seconds of traffic, at least, after the last fault has ended.
+RECOVERY_TAIL_S = 3.0
 CHEAP_FAULTS = ["redis-restart", "script-flush", "redis-slow", "upstream-5xx", "upstream-429",
                 "kill-lease-holder", "upstream-latency", "ledger-refused"]
 
@@ -148,8 +150,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_start = time.time() + warmup_s
         stop_at = t_start + args.duration
         ctx.stop_at = stop_at
+        # Traffic goes on at least RECOVERY_TAIL_S after the last fault has ended (a fault
+        # waits for its effect to drain, which can run late), so recovery is always seen.
+        stop = spawn.Value("d", stop_at)
         procs = [spawn.Process(target=worker.main, name=f"fleet-{i}", args=(
-            f"w{i}", env, str(out / f"records-w{i}.jsonl"), stop_at, args.seed * 1000 + i,
+            f"w{i}", env, str(out / f"records-w{i}.jsonl"), stop, args.seed * 1000 + i,
             users, args.lambda_timeout), kwargs={"lease_s": lease_s,
                                                  "start_at": t_start + i * STAGGER_S,
                                                  "retries": retries})
@@ -164,8 +169,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(max(0.0, at - time.time()))
             print(f"[{time.time() - t_start:6.1f}s] fault {name}", flush=True)
             done.append(faults.FAULTS[name](ctx))
+        if done:
+            stop.value = max(stop_at, max(f["end"] for f in done) + RECOVERY_TAIL_S)
         for p in procs:
-            p.join(max(1.0, stop_at - time.time() + args.lambda_timeout + 10))
+            p.join(max(1.0, stop.value - time.time() + args.lambda_timeout + 10))
             if p.is_alive():
                 p.kill()
         # A leaked lease must come back by itself: wait for it (bounded) before measuring.

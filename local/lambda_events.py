@@ -113,9 +113,11 @@ def fresh_environment() -> None:
     """
     import sys
 
-    from usage_limits.web import idempotency, refunds, runtime, settings
+    from usage_limits.web import events, idempotency, observability, refunds, runtime, settings
 
     settings.cache_clear()
+    observability.reset()
+    events.publisher.cache_clear()
     runtime.set_redis(None)
     idempotency.reset()
     refunds.clear()

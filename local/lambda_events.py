@@ -100,27 +100,18 @@ def lambda_loop() -> Iterator[asyncio.AbstractEventLoop]:
         asyncio.set_event_loop(None)
 
 
-#: Per-environment singletons of the provider clients: (module, attribute).
-_PROVIDER_SINGLETONS = (("atto_providers.llm", "_client"), ("atto_providers.salary", "_client"),
-                        ("atto_providers.search", "_client"), ("atto_providers.fetch", "_fetcher"))
-
-
 def fresh_environment() -> None:
     """Forget every per-execution-environment singleton, as a new Lambda environment starts.
 
-    Settings, the Redis client, the idempotency store, pending refunds and the provider
-    clients are made again, from the current environment variables, on next use.
+    Settings are read again, and every reset a SnapStart restore runs (``usage_limits.
+    snapstart``) runs: the Redis client, the idempotency store, pending refunds, cached
+    secrets and the provider clients are made again, from the current environment
+    variables, on next use.
     """
-    import sys
-
-    from usage_limits.web import events, idempotency, observability, refunds, runtime, settings
+    import atto_providers  # noqa: F401  (registers the provider clients' resets)
+    from usage_limits import snapstart
+    from usage_limits.web import observability, settings
 
     settings.cache_clear()
     observability.reset()
-    events.publisher.cache_clear()
-    runtime.set_redis(None)
-    idempotency.reset()
-    refunds.clear()
-    for module, attribute in _PROVIDER_SINGLETONS:
-        if module in sys.modules:
-            setattr(sys.modules[module], attribute, None)
+    snapstart.restore()

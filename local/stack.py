@@ -25,7 +25,7 @@ EMULATOR_KEYS = {"LLM_API_KEY": "local-key", "SALARY_APP_ID": "local-id",
                  "PAGES_ALLOW_PRIVATE_HOSTS": "127.0.0.1"}
 
 
-#: The emulator's port when it is free (events/env.json and the README use it).
+#: The emulator's port when it is free (events/env.json and docs/api.md use it).
 EMULATOR_PORT = 8100
 
 

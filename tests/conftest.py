@@ -2,23 +2,39 @@
 
 Both run on private loopback ports and are started by the test session itself (no docker).
 Tests get a fresh async client per test (``redis_client`` runs each test on both
-topologies) and unique ids (``uid``) so tests never share keys.
+topologies) and unique ids (``uid``) so tests never share keys. ``fault_proxy`` (from
+``tests/faultproxy.py``) puts a fault-injecting proxy in front of the standalone server.
+
+Property tests use the Hypothesis profile named by ``ATTO_PROPERTY_PROFILE``: ``ci`` (the
+default: a fixed seed, so ``make test`` explores the same few thousand steps every run) or
+``long`` (random seeds and many more examples; ``make fleet`` runs it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import HealthCheck, settings
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from local.redis_servers import RedisCluster3, RedisServer
+from tests.faultproxy import fault_proxy  # noqa: F401  (a fixture)
+
+PROPERTY_PROFILE_ENV = "ATTO_PROPERTY_PROFILE"
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", deadline=None, derandomize=True, database=None,
+                          max_examples=100, suppress_health_check=_SLOW_OK, print_blob=True)
+settings.register_profile("long", deadline=None, max_examples=2000,
+                          suppress_health_check=_SLOW_OK, print_blob=True)
+settings.load_profile(os.environ.get(PROPERTY_PROFILE_ENV, "ci"))
 
 
 @pytest.fixture(scope="session")

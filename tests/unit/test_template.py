@@ -228,6 +228,22 @@ def test_zero_reserved_concurrency_means_unreserved(template: dict[str, Any]) ->
     assert provisioned["Fn::If"][0] == "HasProvisionedConcurrency"
 
 
+def test_snapstart_is_a_parameter_on_every_function(template: dict[str, Any],
+                                                    resources: dict[str, Any]) -> None:
+    """SnapStart is off by default, applies to every function's published versions when on,
+    and a rule refuses it together with provisioned concurrency."""
+    assert template["Parameters"]["SnapStart"]["Default"] == "false"
+    functions = [r for r in resources.values() if r["Type"] == "AWS::Lambda::Function"]
+    assert len(functions) == len(SPECS)
+    for function in functions:
+        assert function["Properties"]["Runtime"] in {"python3.12", "python3.13"}
+        assert function["Properties"]["SnapStart"] == {"Fn::If": [
+            "UseSnapStart", {"ApplyOn": "PublishedVersions"}, {"Ref": "AWS::NoValue"}]}
+    rule = template["Rules"]["SnapStartWithoutProvisionedConcurrency"]
+    assert rule["Assertions"][0]["Assert"] == {"Fn::Equals": [
+        {"Ref": "ProvisionedConcurrency"}, 0]}
+
+
 def test_layers_are_built_by_their_makefiles(template: dict[str, Any]) -> None:
     """Each layer is built by a Makefile target for arm64, with no container."""
     layers = {k: v for k, v in template["Resources"].items()

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Any
 
+from .. import snapstart
 from ..exceptions import InvalidArgument
 from . import observability as obs
 
@@ -217,6 +218,10 @@ class EventPublisher:
 def publisher() -> EventPublisher:
     """The execution environment's publisher, configured from the environment."""
     return EventPublisher(EventSettings.from_env())
+
+
+# A restored snapshot must not share the publisher's client and its pooled connections.
+snapstart.after_restore(publisher.cache_clear)
 
 
 _tasks: set[asyncio.Task[bool]] = set()

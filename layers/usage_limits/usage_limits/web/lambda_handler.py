@@ -18,6 +18,9 @@ def lambda_handler(app: Any) -> Callable[[dict[str, Any], Any], dict[str, Any]]:
     """Wrap an ASGI ``app`` for API Gateway HTTP API (payload v2) events."""
     from mangum import Mangum
 
+    from .. import snapstart
+
+    snapstart.install()  # under SnapStart: nothing made before the snapshot is shared
     mangum = Mangum(app, lifespan="off")
 
     def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:

@@ -180,3 +180,20 @@ def test_settings_read_the_bus_and_a_positive_bound() -> None:
     for bad in ("0", "-1", "soon", "nan"):
         with pytest.raises(InvalidArgument, match=events.ATTO_EVENTS_TIMEOUT_S):
             events.EventSettings.from_env({events.ATTO_EVENTS_TIMEOUT_S: bad})
+
+
+def test_the_web_layer_imports_no_aws_sdk_until_an_event_is_published() -> None:
+    """Importing the web layer (and with it the publisher) loads neither boto3 nor botocore."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys\n"
+            "import usage_limits.web, usage_limits.web.events\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore')))\n")
+    env = {**os.environ, "PYTHONPATH": str(root / "layers" / "usage_limits")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

@@ -7,6 +7,13 @@ runs from the request's arrival for the function's ``Timeout`` in template.yaml 
 ``ATTO_REQUEST_TIMEOUT_S``). ``WORKERS`` > 1 runs that many
 processes, each like one Lambda execution environment with its own Redis client.
 
+Each request runs with its function's own environment from template.yaml (Globals merged
+with the function's ``Environment``), under what the shell and the local stack set, as
+``make invoke`` does: embeddings gets its 1 MiB body cap, every function its service name.
+One process serves every function, so the variables that differ between functions are
+applied per request (web settings, log and metrics names; requests of two different
+environments never overlap in a worker); any other variable must be the same for all.
+
 Environment: ``PORT`` (8000), ``HOST`` (127.0.0.1), ``WORKERS`` (1), ``WORKER_CONCURRENCY``
 (1: like a Lambda execution environment, a worker runs one request at a time and queues the
 rest; 0 for no limit); ``REDIS_URL`` and ``LLM_BASE_URL`` unset start a private
@@ -16,21 +23,137 @@ redis-server and the offline provider emulator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
+import socket
 import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
+
+#: Variables read per request under ``make serve``, so each function may set its own.
+PER_REQUEST_VARIABLES = frozenset({
+    "ATTO_ENV", "ATTO_BUDGET", "ATTO_MAX_BODY_BYTES", "ATTO_DEADLINE_MARGIN_S",
+    "ATTO_REQUEST_TIMEOUT_S", "POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE",
+    "LOG_LEVEL",
+})
+
+Route = tuple[str, str]
+
+
+class ServeError(Exception):
+    """``make serve`` cannot start; the message says why in one line."""
+
+
+def split_environments(envs: Mapping[Route, Mapping[str, str]]
+                       ) -> tuple[dict[str, str], dict[Route, dict[str, str | None]]]:
+    """Split each function's environment into what all share and what is its own.
+
+    Args:
+        envs: every route's full environment.
+
+    Returns:
+        The variables every function has with the same value, and for each route the
+        variables that differ between functions (None: the function does not set it).
+
+    Raises:
+        ServeError: a variable outside ``PER_REQUEST_VARIABLES`` differs between functions;
+            one process cannot give two functions two values of it.
+    """
+    names = set().union(*(env.keys() for env in envs.values())) if envs else set()
+    varying = {name for name in names if len({env.get(name) for env in envs.values()}) > 1}
+    fixed = sorted(varying - PER_REQUEST_VARIABLES)
+    if fixed:
+        raise ServeError(f"functions of template.yaml differ in {', '.join(fixed)}, which "
+                         "make serve reads once per process; use make invoke for such a "
+                         "function")
+    first = next(iter(envs.values()), {})
+    common = {name: value for name, value in first.items() if name not in varying}
+    own = {route: {name: env.get(name) for name in sorted(varying)} for route, env in envs.items()}
+    return common, own
+
+
+def _apply(variables: Mapping[str, str | None]) -> None:
+    """Put one function's own variables into the process and forget what was read from them."""
+    from usage_limits.web import settings
+
+    for name, value in variables.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    settings.cache_clear()
+
+
+class EnvironmentGate:
+    """Lets requests of one function environment overlap; a switch waits for the others.
+
+    Switching resets the web settings (re-read from the new variables) and swaps in the
+    logger and metrics made under that environment (made on first use, then kept).
+    """
+
+    def __init__(self, own: Mapping[Route, Mapping[str, str | None]]) -> None:
+        self.own = own
+        keys: dict[tuple[tuple[str, str | None], ...], int] = {}
+        self.key = {route: keys.setdefault(tuple(sorted(env.items())), len(keys))
+                    for route, env in own.items()}
+        self.active: int | None = None
+        self.running = 0
+        self.waiting: Counter[int] = Counter()
+        self._cond: asyncio.Condition | None = None
+        self._observers: dict[int, tuple[Any, Any]] = {}
+
+    def _may_enter(self, key: int) -> bool:
+        if self.running == 0:
+            return True
+        others_waiting = any(n for k, n in self.waiting.items() if k != self.active)
+        return self.active == key and not others_waiting
+
+    def _switch(self, key: int, route: Route) -> None:
+        from usage_limits.web import observability
+
+        if self.active is not None:
+            self._observers[self.active] = (observability._logger, observability._metrics)
+        _apply(self.own[route])
+        observability._logger, observability._metrics = self._observers.get(key, (None, None))
+        self.active = key
+
+    @contextlib.asynccontextmanager
+    async def enter(self, route: Route) -> AsyncIterator[None]:
+        """Run the block with ``route``'s function environment in place."""
+        key = self.key.get(route)
+        if key is None:  # not a function of the template
+            yield
+            return
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        async with self._cond:
+            self.waiting[key] += 1
+            await self._cond.wait_for(lambda: self._may_enter(key))
+            self.waiting[key] -= 1
+            if self.active != key:
+                self._switch(key, route)
+            self.running += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.running -= 1
+                self._cond.notify_all()
 
 
 class Dispatcher:
     """An ASGI app that routes by path (and method) to each function's own app."""
 
-    def __init__(self, routes: dict[tuple[str, str], Any], concurrency: int = 1,
-                 timeouts: dict[tuple[str, str], float] | None = None) -> None:
+    def __init__(self, routes: dict[Route, Any], concurrency: int = 1,
+                 timeouts: dict[Route, float] | None = None,
+                 environments: Mapping[Route, Mapping[str, str | None]] | None = None) -> None:
         self.routes = routes
         self.timeouts = timeouts or {}
+        self.environments = EnvironmentGate(environments or {})
         self.paths = {path for _, path in routes}
         self.concurrency = concurrency
         self._gate: asyncio.Semaphore | None = None
@@ -59,11 +182,13 @@ class Dispatcher:
         scope = {**scope, "aws.context": FakeContext(timeout_s=self.timeouts.get(route, 29.0),
                                                      function_name=path)}
         if self.concurrency <= 0:
-            await app(scope, receive, send)
+            async with self.environments.enter(route):
+                await app(scope, receive, send)
             return
         if self._gate is None:
             self._gate = asyncio.Semaphore(self.concurrency)
-        async with self._gate:  # one request at a time, as in one Lambda environment
+        # one request at a time, as in one Lambda environment
+        async with self._gate, self.environments.enter(route):
             await app(scope, receive, send)
 
 
@@ -75,26 +200,61 @@ def load_function_app(code_dir: str) -> Any:
 
 def create_dispatcher() -> Dispatcher:
     """The dispatcher for every function in template.yaml (uvicorn factory)."""
-    from .template import functions
+    from .template import functions, local_environment
 
+    specs = functions()
+    base = dict(os.environ)
+    common, own = split_environments({(fn.method, fn.path): local_environment(fn, base)
+                                      for fn in specs})
+    os.environ.update(common)
     routes, timeouts = {}, {}
     override = os.environ.get("ATTO_REQUEST_TIMEOUT_S")
-    for fn in functions():
+    for fn in specs:
         routes[(fn.method, fn.path)] = load_function_app(fn.code_dir)
         timeouts[(fn.method, fn.path)] = float(override) if override else float(fn.timeout)
     return Dispatcher(routes, concurrency=int(os.environ.get("WORKER_CONCURRENCY", "1")),
-                      timeouts=timeouts)
+                      timeouts=timeouts, environments=own)
+
+
+def check_port(host: str, port: int) -> None:
+    """Make sure ``host:port`` can be listened on, as uvicorn will (``SO_REUSEADDR``).
+
+    Raises:
+        ServeError: the port is taken or the address cannot be used.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ServeError(f"HOST={host} cannot be resolved: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+            s.listen(1)
+        except OSError as exc:
+            reason = ("is already in use (another make serve?)"
+                      if exc.errno in (98, 48) else f"cannot be used: {exc.strerror}")
+            raise ServeError(f"port {port} on {host} {reason}; "
+                             "choose another with PORT=...") from None
 
 
 def main() -> int:
     import uvicorn
 
     from .stack import local_stack
-    from .template import functions
+    from .template import functions, local_environment
 
     port = int(os.environ.get("PORT", "8000"))
     host = os.environ.get("HOST", "127.0.0.1")
     workers = int(os.environ.get("WORKERS", "1"))
+    try:
+        check_port(host, port)
+        split_environments({(fn.method, fn.path): local_environment(fn, os.environ)
+                            for fn in functions()})
+    except ServeError as exc:
+        print(f"make serve: {exc}", file=sys.stderr)
+        return 2
     with local_stack() as started:
         url = f"http://{host}:{port}"
         print(f"Atto Cloud (local) on {url} with {workers} worker(s)")

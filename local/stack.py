@@ -27,6 +27,14 @@ EMULATOR_KEYS = {"LLM_API_KEY": "local-key", "SALARY_APP_ID": "local-id",
 
 #: The emulator's port when it is free (events/env.json and docs/api.md use it).
 EMULATOR_PORT = 8100
+#: The emulator's address as events and docs name it; ``make invoke`` retargets it.
+DOCUMENTED_EMULATOR_URL = f"http://127.0.0.1:{EMULATOR_PORT}"
+
+#: Local values that beat the template's cloud ones unless the shell sets them: quiet logs
+#: (one JSON line per request at INFO), no EMF metrics, and a plain local Redis rather than
+#: the template's IAM-authenticated cluster.
+LOCAL_DEFAULTS = {"LOG_LEVEL": "WARNING", "POWERTOOLS_METRICS_DISABLED": "true",
+                  "REDIS_AUTH": "none", "REDIS_CLUSTER": "false"}
 
 
 def _emulator_port(env: dict[str, str]) -> int:
@@ -47,8 +55,7 @@ def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
     """Start what is missing, export its settings into ``os.environ``, yield what was set."""
     env = os.environ if env is None else env  # type: ignore[assignment]
     started: dict[str, str] = {"ATTO_ENV": "local"}
-    # Quiet by default locally: one JSON line per request at INFO, EMF metrics on request.
-    for name, value in (("LOG_LEVEL", "WARNING"), ("POWERTOOLS_METRICS_DISABLED", "true")):
+    for name, value in LOCAL_DEFAULTS.items():
         if name not in env:
             started[name] = value
     with contextlib.ExitStack() as stack:

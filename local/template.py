@@ -11,6 +11,7 @@ forms (``{"Ref": ...}``, ``{"Fn::GetAtt": [...]}``), so no AWS tooling is needed
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,22 @@ def functions(path: str | Path = DEFAULT_TEMPLATE) -> list[FunctionSpec]:
                 env=dict(env),
             ))
     return specs
+
+
+def local_environment(spec: FunctionSpec, base: Mapping[str, str]) -> dict[str, str]:
+    """A function's environment under ``make serve`` and ``make invoke``.
+
+    Its template values (Globals merged with its own), under ``base``: what the shell and the
+    local stack set wins, as ``--env-vars`` wins over the template under ``sam local``.
+
+    Args:
+        spec: the function.
+        base: the process environment once the local stack has set its values.
+
+    Returns:
+        The variables to run the function with.
+    """
+    return {**spec.env, **base}
 
 
 _SUB_VAR = re.compile(r"\$\{([^}!]+)\}")

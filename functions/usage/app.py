@@ -10,8 +10,8 @@ from usage_limits.web.runtime import get_budget
 
 app = create_app("Atto Cloud: usage")
 
-#: Tokens per metered route. Each route declares the same number in its
-#: ``require_tokens(cost=...)``; a test keeps the two in step.
+#: Tokens per route, free ones at 0. Each metered route declares the same number in its
+#: ``require_tokens(cost=...)``; a test keeps the two, and the README's table, in step.
 PRICES: dict[str, int] = {
     "POST /v1/embeddings": 1,
     "GET /v1/salary": 2,
@@ -19,6 +19,7 @@ PRICES: dict[str, int] = {
     "POST /v1/job-extraction": 10,
     "POST /v1/company-research": 20,
     "POST /v1/market-context": 30,
+    "GET /v1/usage": 0,
 }
 
 
@@ -43,7 +44,7 @@ class UsageOut(BaseModel):
     user_id: str
     windows: list[WindowOut]
     events: list[SpendEventOut] = Field(description="Most recent charges first.")
-    prices: dict[str, int] = Field(description="Tokens per metered route.")
+    prices: dict[str, int] = Field(description="Tokens per route (0 for a free one).")
 
 
 @app.get("/v1/usage")

@@ -120,8 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"emulator: serving on fd {args.fd} ({sock.getsockname()})", file=sys.stderr)
         server.run(sockets=[sock])
     else:
+        try:  # bind before the banner: a taken port is an error, not a banner then a crash
+            sock = socket.create_server((args.host, args.port))
+        except OSError as exc:
+            print(f"emulator: port {args.port} on {args.host} is already in use ({exc.strerror}); "
+                  "choose another with --port", file=sys.stderr)
+            return 2
         print(f"emulator: serving on http://{args.host}:{args.port}", file=sys.stderr)
-        server.run()
+        server.run(sockets=[sock])
     return 0
 
 

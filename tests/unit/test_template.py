@@ -481,3 +481,163 @@ def test_function_specs_resolve_only_what_is_known_before_deploy(template: dict[
     assert "REDIS_URL" not in spec.env and "SEARCH_SECRET_ARN" not in spec.env
     assert (spec.code_dir, spec.handler) == ("functions/company_research", "app.handler")
     assert functions() == SPECS  # the default path is the project's template
+
+
+# --- sign-in: the optional Cognito user pool ------------------------------------------------
+
+USER_POOL_RESOURCES = {"UserPool": "AWS::Cognito::UserPool",
+                       "UserPoolClient": "AWS::Cognito::UserPoolClient",
+                       "UserPoolDomain": "AWS::Cognito::UserPoolDomain"}
+USER_POOL_OUTPUTS = {"UserPoolId", "UserPoolIssuer", "UserPoolClientId", "UserPoolDomainUrl",
+                     "SignInRedirectUri"}
+
+
+def template_text_with_user_pool(create: bool) -> str:
+    """template.yaml's text with CreateUserPool's default set to ``create``."""
+    text = TEMPLATE.read_text()
+    block = '  CreateUserPool:\n    Type: String\n    AllowedValues: ["true", "false"]\n'
+    start = text.index(block) + len(block)
+    old = '    Default: "false"\n'
+    assert text[start:start + len(old)] == old
+    return text[:start] + f'    Default: "{str(create).lower()}"\n' + text[start + len(old):]
+
+
+def evaluate(value: Any, params: dict[str, Any], conditions: dict[str, Any]) -> Any:
+    """Evaluate the condition functions CloudFormation resolves before a deploy (Equals,
+    Not, And, Or, Contains, Ref to a parameter, Condition, If); other intrinsics are kept."""
+    if isinstance(value, list):
+        return [evaluate(v, params, conditions) for v in value]
+    if not isinstance(value, dict):
+        return value
+    intrinsic = len(value) == 1 and next(iter(value)) in ("Ref", "Condition") \
+        or len(value) == 1 and next(iter(value)).startswith("Fn::")
+    if not intrinsic:
+        return {k: evaluate(v, params, conditions) for k, v in value.items()}
+    (name, arg), = value.items()
+    if name == "Ref" and arg in params:
+        return params[arg]
+    if name == "Condition":
+        return evaluate(conditions[arg], params, conditions)
+    if name == "Fn::If":
+        chosen = arg[1] if evaluate({"Condition": arg[0]}, params, conditions) else arg[2]
+        return evaluate(chosen, params, conditions)
+    args = evaluate(arg, params, conditions)
+    if name == "Fn::Equals":
+        return str(args[0]) == str(args[1])
+    if name == "Fn::Not":
+        return not args[0]
+    if name == "Fn::And":
+        return all(args)
+    if name == "Fn::Or":
+        return any(args)
+    if name == "Fn::Contains":
+        return args[1] in args[0]
+    return {name: args}
+
+
+def parameters(template: dict[str, Any], **given: Any) -> dict[str, Any]:
+    """Parameter values as CloudFormation sees them: defaults, then ``given``."""
+    values = {name: p.get("Default") for name, p in template["Parameters"].items()}
+    for name, p in template["Parameters"].items():
+        if p["Type"] == "CommaDelimitedList" and isinstance(values[name], str):
+            values[name] = values[name].split(",")
+    values.update(given)
+    return values
+
+
+@pytest.mark.parametrize("create", [True, False])
+def test_cfn_lint_passes_with_and_without_the_user_pool(create: bool) -> None:
+    """cfn-lint reports nothing whichever CreateUserPool's default is."""
+    config = ManualArgs(regions=["us-east-1"], include_checks=["I"],
+                        ignore_checks=sorted(IGNORED_CFN_LINT_RULES))
+    assert [str(m) for m in lint(template_text_with_user_pool(create), config=config)] == []
+
+
+def sam_transform(document: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The SAM translator's resources for ``document`` given parameter ``values``."""
+    document = copy.deepcopy(document)
+    for resource in document["Resources"].values():
+        props = resource.get("Properties", {})
+        for key in ("CodeUri", "ContentUri"):
+            if isinstance(props.get(key), str):
+                props[key] = f"s3://artifacts/{props[key]}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        return transform(document, values, _ManagedPolicies())["Resources"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("create", [True, False])
+def test_sam_transform_builds_the_user_pool_only_when_asked(create: bool,
+                                                            template: dict[str, Any]) -> None:
+    """After the SAM transform, the pool, its client and its domain exist exactly when
+    CreateUserPool is true, and the JWT authorizer trusts the pool (issuer, client id)
+    then, else JwtIssuer and JwtAudience."""
+    params = parameters(template, CreateUserPool=str(create).lower(),
+                        JwtIssuer="https://idp.example.com", JwtAudience=["app-1", "app-2"])
+    resources = sam_transform(template, {k: params[k] for k in ("CreateUserPool", "JwtIssuer",
+                                                                "JwtAudience")})
+    conditions = template["Conditions"]
+    for name, kind in USER_POOL_RESOURCES.items():
+        assert resources[name]["Type"] == kind
+        assert evaluate({"Condition": resources[name]["Condition"]}, params,
+                        conditions) is create
+    scheme = resources["HttpApi"]["Properties"]["Body"]["components"]["securitySchemes"][
+        "AttoJwt"]["x-amazon-apigateway-authorizer"]
+    jwt = evaluate(scheme["jwtConfiguration"], params, conditions)
+    if create:
+        assert jwt == {"issuer": {"Fn::Sub": "https://cognito-idp.${AWS::Region}"
+                                             ".amazonaws.com/${UserPool}"},
+                       "audience": [{"Ref": "UserPoolClient"}]}
+    else:
+        assert jwt == {"issuer": "https://idp.example.com", "audience": ["app-1", "app-2"]}
+    outputs = {name for name, out in template["Outputs"].items()
+               if "Condition" not in out or evaluate({"Condition": out["Condition"]}, params,
+                                                     conditions)}
+    assert (outputs >= USER_POOL_OUTPUTS) is create
+    assert not (USER_POOL_OUTPUTS & outputs) or create
+
+
+def test_user_pool_client_is_a_public_pkce_client_with_loopback_redirects(
+        template: dict[str, Any]) -> None:
+    """The app client has no secret, only the authorization-code flow, the hosted UI as
+    its provider, and loopback http redirects on the SignInCallbackPort."""
+    client = template["Resources"]["UserPoolClient"]["Properties"]
+    assert client["GenerateSecret"] is False
+    assert client["AllowedOAuthFlowsUserPoolClient"] is True
+    assert client["AllowedOAuthFlows"] == ["code"]
+    assert {"openid"} <= set(client["AllowedOAuthScopes"])
+    assert client["SupportedIdentityProviders"] == ["COGNITO"]
+    assert client["ExplicitAuthFlows"] == ["ALLOW_REFRESH_TOKEN_AUTH"]
+    assert client["CallbackURLs"] == [
+        {"Fn::Sub": "http://127.0.0.1:${SignInCallbackPort}/callback"},
+        {"Fn::Sub": "http://localhost:${SignInCallbackPort}/callback"}]
+    assert client["UserPoolId"] == {"Ref": "UserPool"}
+    domain = template["Resources"]["UserPoolDomain"]["Properties"]
+    params = parameters(template)
+    assert evaluate(domain["Domain"], params, template["Conditions"]) == {
+        "Fn::Sub": "atto-${Stage}-${AWS::AccountId}"}
+    named = evaluate(domain["Domain"], parameters(template, UserPoolDomainPrefix="atto-x"),
+                     template["Conditions"])
+    assert named == "atto-x"
+
+
+@pytest.mark.parametrize(("create", "issuer", "audience", "valid"), [
+    ("false", "", [""], False),                          # no identity provider at all
+    ("false", "https://idp.example.com", [""], False),   # an issuer but no audience
+    ("false", "", ["app-1"], False),
+    ("false", "https://idp.example.com", ["app-1"], True),
+    ("true", "", [""], True),                            # the pool stands in for both
+])
+def test_external_issuer_is_required_only_without_the_user_pool(
+        create: str, issuer: str, audience: list[str], valid: bool,
+        template: dict[str, Any]) -> None:
+    """The template's Rules refuse a stack with neither its own pool nor JwtIssuer and
+    JwtAudience, and ask for neither when the pool is created."""
+    params = parameters(template, CreateUserPool=create, JwtIssuer=issuer,
+                        JwtAudience=audience)
+    ok = True
+    for rule in template["Rules"].values():
+        if evaluate(rule.get("RuleCondition", True), params, {}):
+            ok &= all(evaluate(a["Assert"], params, {}) for a in rule["Assertions"])
+    assert ok is valid

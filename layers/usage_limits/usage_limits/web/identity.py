@@ -45,9 +45,13 @@ def user_id(request: Request) -> str:
     """
     event = request.scope.get("aws.event") or {}
     sub = _claims(event).get("sub")
-    if not sub and settings().local:
+    local = settings().local
+    if not sub and local:
         sub = request.headers.get(LOCAL_USER_HEADER)
     if not isinstance(sub, str) or not sub.strip():
+        if local:
+            raise Unauthorized("no authenticated user: in local mode, name the user with the "
+                               "X-Atto-User header (e.g. -H 'X-Atto-User: alice')")
         raise Unauthorized("no authenticated user: a valid bearer token is required")
     if len(sub) > MAX_USER_ID or not sub.isprintable():
         raise Unauthorized("the user identity is malformed")

@@ -1,0 +1,456 @@
+"""Typed results of every route: small frozen dataclasses, built from the JSON answers.
+
+Each top-level result has an ``info`` field (not compared, not shown in ``repr``) with the
+answer's metadata: its parsed ``RateLimit`` headers, whether it was replayed, the
+``Idempotency-Key`` it carried and how many attempts it took.
+
+Fields the server may add later (credit balances, a plan name) are optional here and read
+when present, so this client keeps working before and after the server learns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ratelimit import RateLimitStatus
+
+JSON = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ResponseInfo:
+    """What the client learned from an answer besides its body.
+
+    Attributes:
+        status: the HTTP status.
+        request_id: the ``Idempotency-Key`` the call carried (reused across its retries).
+        replayed: True when the server answered from its idempotency store
+            (``Idempotent-Replayed: true``): no provider was called, nothing charged again.
+        attempts: how many attempts the call made (1 without retries).
+        rate_limit: the parsed ``RateLimit-Policy``/``RateLimit`` headers, if any.
+        retry_after_s: the ``Retry-After`` header in seconds, if any.
+    """
+
+    status: int
+    request_id: str | None
+    replayed: bool
+    attempts: int
+    rate_limit: RateLimitStatus | None
+    retry_after_s: float | None
+
+
+# --- credit -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreditGrant:
+    """One grant of extra tokens.
+
+    Attributes:
+        reference: the grant's idempotent reference (e.g. an invoice id), if given.
+        kind: ``paid`` or ``promo``, if given.
+        remaining: tokens left in the grant.
+        tokens: tokens it gave at first, if given.
+        expires_at: its expiry as the server wrote it (RFC 3339 text or Unix time), or None.
+    """
+
+    reference: str | None
+    kind: str | None
+    remaining: int | None
+    tokens: int | None
+    expires_at: str | float | None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> CreditGrant:
+        expires = obj.get("expires_at")
+        return cls(reference=_str(obj.get("reference")), kind=_str(obj.get("kind")),
+                   remaining=_int(obj.get("remaining", obj.get("balance"))),
+                   tokens=_int(obj.get("tokens", obj.get("amount"))),
+                   expires_at=expires if isinstance(expires, str | int | float)
+                   and not isinstance(expires, bool) else None)
+
+
+@dataclass(frozen=True)
+class CreditBalance:
+    """Credit beyond the plan's quota, when the server reports it.
+
+    Attributes:
+        remaining: tokens of credit left (the server's figure, else the grants' sum).
+        grants: the live grants, as listed.
+    """
+
+    remaining: int | None
+    grants: tuple[CreditGrant, ...]
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> CreditBalance | None:
+        """Read ``credit`` (a number or an object) and ``grants`` from a body; None if absent.
+
+        Args:
+            obj: a usage answer or a 429's error object.
+
+        Returns:
+            The balance, or None when the body carries neither field.
+        """
+        credit, grants_json = obj.get("credit"), obj.get("grants")
+        if isinstance(credit, Mapping):
+            grants_json = credit.get("grants", grants_json)
+            credit = credit.get("remaining", credit.get("balance", credit.get("tokens")))
+        if credit is None and not isinstance(grants_json, list):
+            return None
+        grants = tuple(CreditGrant.from_json(g) for g in grants_json or []
+                       if isinstance(g, Mapping))
+        remaining = _int(credit)
+        if remaining is None and grants and all(g.remaining is not None for g in grants):
+            remaining = sum(g.remaining or 0 for g in grants)
+        return cls(remaining=remaining, grants=grants)
+
+
+# --- structured, embeddings -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenUsage:
+    """Tokens the model provider counted (not budget tokens)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StructuredResult:
+    """``POST /v1/structured``: a JSON value valid for the caller's schema."""
+
+    data: Any
+    model: str
+    usage: TokenUsage
+    info: ResponseInfo | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, obj: JSON, info: ResponseInfo | None = None) -> StructuredResult:
+        usage = obj["usage"]
+        return cls(data=obj["data"], model=obj["model"], info=info,
+                   usage=TokenUsage(int(usage["prompt_tokens"]),
+                                    int(usage["completion_tokens"])))
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """One vector; ``index`` is the position of its text in the input."""
+
+    index: int
+    embedding: tuple[float, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingsResult:
+    """``POST /v1/embeddings``: one vector per text, in input order."""
+
+    data: tuple[Embedding, ...]
+    model: str
+    usage: TokenUsage
+    info: ResponseInfo | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def vectors(self) -> list[tuple[float, ...]]:
+        """The vectors alone, in input order."""
+        return [e.embedding for e in sorted(self.data, key=lambda e: e.index)]
+
+    @classmethod
+    def from_json(cls, obj: JSON, info: ResponseInfo | None = None) -> EmbeddingsResult:
+        return cls(data=tuple(Embedding(int(e["index"]), tuple(float(x) for x in e["embedding"]))
+                              for e in obj["data"]),
+                   model=obj["model"], usage=TokenUsage(int(obj["usage"]["prompt_tokens"])),
+                   info=info)
+
+
+# --- company research ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """A web page a brief is based on."""
+
+    title: str
+    url: str
+
+
+@dataclass(frozen=True)
+class KeyFact:
+    """A fact of a company brief and the source it came from."""
+
+    fact: str
+    source_url: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompanyResearch:
+    """``POST /v1/company-research``: a sourced company brief.
+
+    Attributes:
+        summary: the brief; ``[n]`` cites the n-th entry of ``sources``.
+        model: the model that wrote it; None when no source was found.
+    """
+
+    company: str
+    summary: str
+    key_facts: tuple[KeyFact, ...]
+    sources: tuple[Source, ...]
+    model: str | None
+    info: ResponseInfo | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, obj: JSON, info: ResponseInfo | None = None) -> CompanyResearch:
+        return cls(company=obj["company"], summary=obj["summary"],
+                   key_facts=tuple(KeyFact(f["fact"], f["source_url"])
+                                   for f in obj["key_facts"]),
+                   sources=tuple(Source(s["title"], s["url"]) for s in obj["sources"]),
+                   model=obj.get("model"), info=info)
+
+
+# --- salary -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SalaryBand:
+    """A histogram band; ``max`` is None for the open-ended last band."""
+
+    min: float
+    max: float | None
+    count: int
+
+
+@dataclass(frozen=True)
+class SalaryPercentiles:
+    """Interpolated from the histogram; None without data."""
+
+    p25: float | None
+    median: float | None
+    p75: float | None
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where figures came from; ``used_for`` says which (market context only)."""
+
+    name: str
+    url: str | None
+    used_for: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SalaryResult:
+    """``GET /v1/salary``: the advertised salary distribution for a title and place."""
+
+    title: str
+    location: str | None
+    country: str
+    currency: str
+    histogram: tuple[SalaryBand, ...]
+    percentiles: SalaryPercentiles
+    mean: float | None
+    sample_count: int
+    open_positions: int
+    source: DataSource
+    info: ResponseInfo | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, obj: JSON, info: ResponseInfo | None = None) -> SalaryResult:
+        p = obj["percentiles"]
+        return cls(
+            title=obj["title"], location=obj.get("location"), country=obj["country"],
+            currency=obj["currency"],
+            histogram=tuple(SalaryBand(float(b["min"]), _float(b.get("max")), int(b["count"]))
+                            for b in obj["histogram"]),
+            percentiles=SalaryPercentiles(_float(p.get("p25")), _float(p.get("median")),
+                                          _float(p.get("p75"))),
+            mean=_float(obj.get("mean")), sample_count=int(obj["sample_count"]),
+            open_positions=int(obj["open_positions"]),
+            source=DataSource(obj["source"]["name"], obj["source"].get("url")), info=info)
+
+
+# --- job extraction -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobSalary:
+    """A listing's salary: amounts per ``period`` (hour, day, week, month, year)."""
+
+    min: float | None
+    max: float | None
+    currency: str | None
+    period: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobListing:
+    """``POST /v1/job-extraction``: a structured job listing.
+
+    Attributes:
+        employment_type: full_time, part_time, contract, temporary, internship, volunteer,
+            other, or None.
+        structured_data: True when the page's JSON-LD JobPosting supplied facts.
+    """
+
+    title: str
+    company: str | None
+    location: str | None
+    salary: JobSalary | None
+    employment_type: str | None
+    remote: bool | None
+    skills: tuple[str, ...]
+    description_summary: str
+    source_url: str | None
+    structured_data: bool
+    model: str
+    info: ResponseInfo | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, obj: JSON, info: ResponseInfo | None = None) -> JobListing:
+        s = obj.get("salary")
+        salary = (JobSalary(_float(s.get("min")), _float(s.get("max")), s.get("currency"),
+                            s.get("period")) if isinstance(s, Mapping) else None)
+        return cls(title=obj["title"], company=obj.get("company"), location=obj.get("location"),
+                   salary=salary, employment_type=obj.get("employment_type"),
+                   remote=obj.get("remote"), skills=tuple(obj["skills"]),
+                   description_summary=obj["description_summary"],
+                   source_url=obj.get("source_url"),
+                   structured_data=bool(obj["structured_data"]), model=obj["model"], info=info)
+
+
+# --- market context -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Demand:
+    """Open positions now, their mean salary, and the trend's change in percent."""
+
+    open_positions: int
+    mean_salary: float | None
+    salary_change_pct: float | None
+
+
+@dataclass(frozen=True)
+class MonthlyMean:
+    """The mean advertised salary of one month (``YYYY-MM``)."""
+
+    month: str
+    mean: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class MarketContext:
+    """``POST /v1/market-context``: demand, a 12-month salary trend and a short narrative."""
+
+    role: str
+    location: str | None
+    country: str
+    currency: str
+    demand: Demand
+    salary_trend: tuple[MonthlyMean, ...]
+    narrative: str
+    sources: tuple[DataSource, ...]
+    info: ResponseInfo | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, obj: JSON, info: ResponseInfo | None = None) -> MarketContext:
+        d = obj["demand"]
+        return cls(
+            role=obj["role"], location=obj.get("location"), country=obj["country"],
+            currency=obj["currency"],
+            demand=Demand(int(d["open_positions"]), _float(d.get("mean_salary")),
+                          _float(d.get("salary_change_pct"))),
+            salary_trend=tuple(MonthlyMean(m["month"], float(m["mean"]))
+                               for m in obj["salary_trend"]),
+            narrative=obj["narrative"],
+            sources=tuple(DataSource(s["name"], s.get("url"), s.get("used_for"))
+                          for s in obj["sources"]),
+            info=info)
+
+
+# --- usage --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UsageWindow:
+    """One window of the plan: ``resets_at`` is the Unix time its oldest charge leaves it."""
+
+    limit: int
+    used: int
+    remaining: int
+    window_s: int
+    resets_at: float | None
+
+
+@dataclass(frozen=True)
+class SpendEvent:
+    """One charge.
+
+    Attributes:
+        request_id: the ``Idempotency-Key`` (or request id) it is tied to.
+        at: Unix time of the charge.
+        from_grants: tokens of it drawn from credit grants, when the server reports it.
+    """
+
+    request_id: str
+    cost: int
+    route: str
+    at: float
+    from_grants: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Usage:
+    """``GET /v1/usage``: the caller's windows, recent charges and the price list.
+
+    Attributes:
+        plan: the plan's name, when the server reports it.
+        credit: the credit balance and grants, when the server reports them.
+    """
+
+    user_id: str
+    windows: tuple[UsageWindow, ...]
+    events: tuple[SpendEvent, ...]
+    prices: dict[str, int]
+    plan: str | None = None
+    credit: CreditBalance | None = None
+    info: ResponseInfo | None = field(default=None, compare=False, repr=False)
+
+    def charged(self, request_id: str) -> int:
+        """Tokens charged to ``request_id`` among the listed events (0 if none)."""
+        return sum(e.cost for e in self.events if e.request_id == request_id)
+
+    @classmethod
+    def from_json(cls, obj: JSON, info: ResponseInfo | None = None) -> Usage:
+        plan = obj.get("plan")
+        if isinstance(plan, Mapping):
+            plan = plan.get("name")
+        return cls(
+            user_id=obj["user_id"],
+            windows=tuple(UsageWindow(int(w["limit"]), int(w["used"]), int(w["remaining"]),
+                                      int(w["window_s"]), _float(w.get("resets_at")))
+                          for w in obj["windows"]),
+            events=tuple(SpendEvent(e["request_id"], int(e["cost"]), e["route"], float(e["at"]),
+                                    _int(e.get("from_grants")))
+                         for e in obj["events"]),
+            prices={str(k): int(v) for k, v in obj["prices"].items()},
+            plan=plan if isinstance(plan, str) else None,
+            credit=CreditBalance.from_json(obj), info=info)
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

@@ -1,0 +1,127 @@
+"""The README's and docs' curl examples, pasted in order on a fresh `make serve`, answer the
+statuses the documents show.
+
+An example is a ``sh``/``bash`` block that runs ``curl``. Its expected statuses are its
+comment lines that start with a status (``# 200: ...``, ``# refused: 422 ...``), one per
+request, or else the output block right after it (``HTTP/1.1 200 OK`` lines and lines of
+bare statuses such as ``200 200 200``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests import serving
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+#: Where the documents say the server and the emulator listen.
+DOC_SERVER, DOC_EMULATOR = "http://127.0.0.1:8000", "http://127.0.0.1:8100"
+
+_FENCE = re.compile(r"^```(\w*)\s*$")
+_STATUS_COMMENT = re.compile(r"^#\s*(?:[a-z ]+:\s*)?([1-5]\d\d)\b")
+_HTTP_STATUS = re.compile(r"^HTTP/[\d.]+ ([1-5]\d\d)\b")
+_BARE_STATUSES = re.compile(r"^(?:[1-5]\d\d\s*)+$")
+
+#: Runs the example with every curl call's final status appended to $STATUSES.
+_PRELUDE = r"""
+curl() {
+  command curl --dump-header "$HEADERS" "$@"
+  local rc=$?
+  grep -a '^HTTP/' "$HEADERS" | tail -n 1 | cut -d' ' -f2 >> "$STATUSES"
+  : > "$HEADERS"
+  return $rc
+}
+"""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One shell block that runs curl, and the statuses its document shows for it."""
+
+    where: str
+    script: str
+    expected: tuple[int, ...]
+
+
+def documents() -> list[Path]:
+    """The README, then each docs/ file in the order the README links them."""
+    readme = ROOT / "README.md"
+    linked = re.findall(r"\]\((docs/[\w-]+\.md)\)", readme.read_text(encoding="utf-8"))
+    ordered = list(dict.fromkeys(linked))
+    rest = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+    return [readme, *(ROOT / name for name in ordered + [r for r in rest if r not in ordered])]
+
+
+def _blocks(text: str) -> list[tuple[str, list[str], int]]:
+    """Every fenced block: (language, lines, line number of its opening fence)."""
+    blocks, lines = [], text.splitlines()
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        start, body = i + 1, []
+        i += 1
+        while i < len(lines) and not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        blocks.append((match[1], body, start))
+        i += 1
+    return blocks
+
+
+def examples() -> list[Example]:
+    """Every curl example of every document, in reading order."""
+    found = []
+    for document in documents():
+        blocks = _blocks(document.read_text(encoding="utf-8"))
+        for n, (language, body, line) in enumerate(blocks):
+            if language not in ("sh", "bash", "shell") or not any(
+                    re.search(r"(^|[\s;(])curl\s", ln) for ln in body):
+                continue
+            expected = [int(m[1]) for ln in body if (m := _STATUS_COMMENT.match(ln))]
+            if not expected and n + 1 < len(blocks) and blocks[n + 1][0] == "":
+                for out in blocks[n + 1][1]:
+                    if match := _HTTP_STATUS.match(out):
+                        expected.append(int(match[1]))
+                    elif _BARE_STATUSES.match(out.strip()):
+                        expected.extend(int(s) for s in out.split())
+            found.append(Example(f"{document.relative_to(ROOT)}:{line}", "\n".join(body),
+                                 tuple(expected)))
+    return found
+
+
+def test_every_example_shows_its_statuses() -> None:
+    """Each curl example documents at least one status (a comment or an output block)."""
+    found = examples()
+    assert len(found) >= 5
+    assert [e.where for e in found if not e.expected] == []
+
+
+def test_examples_pasted_in_order_answer_as_documented() -> None:
+    """On a fresh `make serve`, each example, run in document order, answers its statuses."""
+    results = []
+    with serving.serve() as served, tempfile.TemporaryDirectory() as tmp:
+        for example in examples():
+            statuses, headers = Path(tmp, "statuses"), Path(tmp, "headers")
+            statuses.write_text("")
+            script = (example.script.replace(DOC_SERVER, served.url)
+                      .replace(DOC_EMULATOR, served.emulator_url))
+            out = subprocess.run(["bash", "-c", _PRELUDE + script], cwd=tmp, text=True,
+                                 capture_output=True, timeout=300,
+                                 env={**os.environ, "STATUSES": str(statuses),
+                                      "HEADERS": str(headers)})
+            got = tuple(int(s) for s in statuses.read_text().split())
+            results.append((example.where, example.expected, got, out.stdout[-300:]))
+    wrong = [r for r in results if r[1] != r[2]]
+    assert wrong == [], "\n".join(f"{w}: documented {e}, got {g}: {o}" for w, e, g, o in wrong)

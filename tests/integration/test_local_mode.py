@@ -1,0 +1,148 @@
+"""Local mode as a newcomer meets it: `make serve`, `make invoke`, their errors and events."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+from local.lambda_events import http_event, invoke
+from local.redis_servers import RedisServer, free_port
+from local.template import functions
+from tests import serving
+
+if TYPE_CHECKING:
+    from tests.conftest import StartEnvironment
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("route", [("GET", "/v1/usage", "usage"),
+                                   ("POST", "/v1/structured", "structured")])
+def test_local_401_names_the_user_header(route: tuple[str, str, str], redis_server: RedisServer,
+                                         lambda_env: StartEnvironment) -> None:
+    """In local mode a request without a user gets a 401 that says to send X-Atto-User."""
+    method, path, name = route
+    lambda_env({"ATTO_ENV": "local", "REDIS_URL": redis_server.url})
+    handler = importlib.import_module(f"functions.{name}.app").handler
+    body = {"prompt": "x", "schema": {"type": "string"}} if method == "POST" else None
+    res = invoke(handler, http_event(method, path, body=body, user=None))
+    assert res.status == 401
+    assert res.body["error"]["code"] == "unauthorized"
+    assert "X-Atto-User" in res.body["error"]["message"]
+
+
+def test_cloud_401_does_not_offer_the_local_header(redis_server: RedisServer,
+                                                   lambda_env: StartEnvironment) -> None:
+    """Outside local mode the 401 asks for a bearer token and does not mention X-Atto-User."""
+    lambda_env({"ATTO_ENV": "dev", "REDIS_URL": redis_server.url})
+    handler = importlib.import_module("functions.usage.app").handler
+    res = invoke(handler, http_event("GET", "/v1/usage", user=None,
+                                     headers={"X-Atto-User": "alice"}))
+    assert res.status == 401
+    assert "bearer token" in res.body["error"]["message"]
+    assert "X-Atto-User" not in res.body["error"]["message"]
+
+
+def test_invoke_with_a_missing_event_file_is_one_line_and_exit_2() -> None:
+    """`make invoke` with an EVENT file that does not exist says so in one line and exits 2."""
+    out = serving.invoke("structured", "events/no_such_event.json")
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "events/no_such_event.json" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_invoke_with_an_event_that_is_not_json_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """An EVENT file that is not a JSON object is refused in one line with exit status 2."""
+    event = tmp_path / "broken.json"
+    event.write_text("{not json")
+    out = serving.invoke("structured", str(event))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(event) in lines[0], out.stderr
+
+
+#: A batch of 64 texts, about 513 kB of JSON: above the default body cap of 256 KiB, within
+#: the 1 MiB that template.yaml gives the embeddings function.
+BIG_BATCH = {"input": ["senior python engineer " * 340] * 64}
+
+
+def test_template_gives_embeddings_a_larger_body_cap() -> None:
+    """The template's own environment is what makes the big batch fit (a guard on the data)."""
+    caps = {fn.logical_id: fn.env.get("ATTO_MAX_BODY_BYTES") for fn in functions()}
+    assert caps["EmbeddingsFunction"] == str(1024 * 1024)
+    assert caps["StructuredFunction"] is None
+    assert 256 * 1024 < len(json.dumps(BIG_BATCH)) < 1024 * 1024
+
+
+@pytest.mark.slow
+def test_serve_applies_each_functions_template_environment() -> None:
+    """Under `make serve` embeddings takes a 513 kB batch (its 1 MiB cap) while structured,
+    served by the same worker in between, still refuses a body over 256 KiB."""
+    big_prompt = {"prompt": "x" * 300_000, "schema": {"type": "string"}}
+    with serving.serve() as served:
+        def post(path: str, body: object) -> httpx.Response:
+            return httpx.post(served.url + path, json=body, timeout=120,
+                              headers={"X-Atto-User": "env-check"})
+
+        first = post("/v1/embeddings", BIG_BATCH)
+        refused = post("/v1/structured", big_prompt)
+        again = post("/v1/embeddings", BIG_BATCH)
+    assert first.status_code == 200, first.text
+    assert len(first.json()["data"]) == 64
+    assert refused.status_code == 413
+    assert refused.json()["error"]["limit_bytes"] == 256 * 1024
+    assert again.status_code == 200, again.text
+
+
+@pytest.mark.slow
+def test_invoke_applies_the_functions_template_environment(tmp_path: Path) -> None:
+    """`make invoke` gives embeddings its template body cap: the 513 kB batch is answered."""
+    event = tmp_path / "big.json"
+    event.write_text(json.dumps(http_event("POST", "/v1/embeddings", body=BIG_BATCH)))
+    out = serving.invoke("embeddings", event)
+    assert out.returncode == 0, out.stderr[-2000:]
+    response = json.loads(out.stdout)
+    assert response["statusCode"] == 200, response["body"]
+    assert len(response["body"]["data"]) == 64
+
+
+@pytest.mark.slow
+def test_serve_with_its_port_taken_says_so_before_any_banner() -> None:
+    """`make serve` on a port in use exits 2 with one clear line and prints no banner."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        out = subprocess.run([sys.executable, "-m", "local.serve"], cwd=ROOT,
+                             env=serving.fresh_env({"PORT": str(port)}), capture_output=True,
+                             text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Atto Cloud (local) on" not in out.stdout
+    assert re.fullmatch(rf"make serve: port {port} on 127\.0\.0\.1 is already in use.*\n",
+                        out.stderr), out.stderr
+
+
+def test_emulator_with_its_port_taken_says_so_before_any_banner() -> None:
+    """The emulator on a port in use exits 2 with one clear line and prints no banner."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        out = subprocess.run([sys.executable, "-m", "local.emulator", "--port", str(port)],
+                             cwd=ROOT, env=serving.fresh_env({}), capture_output=True,
+                             text=True, timeout=60)
+    assert out.returncode == 2
+    assert "serving on" not in out.stderr
+    assert re.fullmatch(rf"emulator: port {port} on 127\.0\.0\.1 is already in use.*\n",
+                        out.stderr), out.stderr

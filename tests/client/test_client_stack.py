@@ -165,7 +165,7 @@ def test_invalid_request_is_typed_with_details_and_free(served: Served, user: st
 def test_payload_too_large_is_typed(served: Served, user: str) -> None:
     """An embeddings batch above the body limit raises PayloadTooLarge with limit_bytes."""
     with AttoClient(served.url, user=user) as atto, pytest.raises(PayloadTooLarge) as raised:
-        atto.embeddings(["x" * 8000] * 64)
+        atto.embeddings(["x" * 20_000] * 64)  # 1.3 MB: above the template's 1 MiB cap
     assert raised.value.status == 413 and raised.value.details["limit_bytes"] > 0
     assert usage_of(served, user).windows[0].used == 0
 

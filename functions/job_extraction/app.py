@@ -24,6 +24,9 @@ from usage_limits.web.app import ErrorBody
 
 app = create_app("Atto Cloud: job extraction")
 
+#: A fixed price: at most MAX_PROMPT_TEXT characters of the page reach the model, however
+#: large the page, so the work varies far less than tenfold (and a URL's page is not known
+#: until it is fetched, after the charge).
 COST = 10
 #: Characters of page text sent to the model.
 MAX_PROMPT_TEXT = 12_000

@@ -36,7 +36,8 @@ from usage_limits.web import (
 app = create_app("Atto Cloud: market context")
 
 #: Tokens reserved, and what a request costs when the jobs API knows nothing about the
-#: role and no narrative is written (two jobs-API calls, like GET /v1/salary).
+#: role and no narrative is written (two jobs-API calls, like GET /v1/salary). A fixed
+#: price: two jobs-API calls and one short narrative, whatever the role and place.
 COST = 30
 NO_DATA_COST = 2
 #: Months of salary history in the trend.

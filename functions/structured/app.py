@@ -1,7 +1,13 @@
-"""POST /v1/structured: a JSON answer valid for the caller's JSON Schema (8 tokens)."""
+"""POST /v1/structured: a JSON answer valid for the caller's JSON Schema.
+
+Priced by size, 8 tokens per started 8,000 characters of prompt and schema (the schema
+counted as compact JSON): both go to the model, whose price grows with its input; the
+prompt alone may be 1 or 32,000 characters.
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import Depends
@@ -9,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from atto_providers.llm import llm_client
 from usage_limits.web import METERED_RESPONSES, create_app, lambda_handler, require_tokens
+from usage_limits.web.costs import per_started
 
 app = create_app("Atto Cloud: structured output")
 
@@ -98,6 +105,17 @@ def nesting_depth(value: Any) -> int:
     return deepest
 
 
+def input_chars(body: StructuredIn) -> int:
+    """Characters of the prompt plus the schema written as compact JSON."""
+    schema = json.dumps(body.json_schema, ensure_ascii=False, separators=(",", ":"))
+    return len(body.prompt) + len(schema)
+
+
+#: 8 tokens per started 8,000 characters: a prompt and schema of up to 8,000 cost 8.
+COST = per_started(StructuredIn, input_chars, size=8_000, tokens=8,
+                   what="characters of prompt and schema")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -109,7 +127,7 @@ class StructuredOut(BaseModel):
     usage: Usage
 
 
-@app.post("/v1/structured", dependencies=[Depends(require_tokens(cost=8))],
+@app.post("/v1/structured", dependencies=[Depends(require_tokens(cost=COST))],
           responses=METERED_RESPONSES)
 async def structured(body: StructuredIn) -> StructuredOut:
     """Answer ``prompt`` with a JSON value valid for ``schema``."""

@@ -10,12 +10,13 @@ from usage_limits.web.runtime import get_budget
 
 app = create_app("Atto Cloud: usage")
 
-#: Tokens per route, free ones at 0. Each metered route declares the same number in its
+#: Tokens per route, free ones at 0: a number, or for a route priced by the size of its
+#: request, the rule in words. Each metered route declares the same in its
 #: ``require_tokens(cost=...)``; a test keeps the two, and the README's table, in step.
-PRICES: dict[str, int] = {
-    "POST /v1/embeddings": 1,
+PRICES: dict[str, int | str] = {
+    "POST /v1/embeddings": "1 per started 8,000 characters of input",
     "GET /v1/salary": 2,
-    "POST /v1/structured": 8,
+    "POST /v1/structured": "8 per started 8,000 characters of prompt and schema",
     "POST /v1/job-extraction": 10,
     "POST /v1/company-research": 20,
     "POST /v1/market-context": 30,
@@ -44,7 +45,10 @@ class UsageOut(BaseModel):
     user_id: str
     windows: list[WindowOut]
     events: list[SpendEventOut] = Field(description="Most recent charges first.")
-    prices: dict[str, int] = Field(description="Tokens per route (0 for a free one).")
+    prices: dict[str, int | str] = Field(
+        description="Tokens per route (0 for a free one): a number, or the rule of a route "
+                    "priced by the size of its request (e.g. \"1 per started 8,000 "
+                    "characters of input\").")
 
 
 @app.get("/v1/usage")

@@ -68,16 +68,36 @@ def job_posting(slug: str) -> dict[str, Any]:
     named = [s for s in SKILLS if s.lower() in words]
     skills = named + [s for s in rng.sample(SKILLS, 6) if s not in named][:5 - len(named)]
     posted = date(2026, 1, 5) + timedelta(days=stable_int("posted", slug) % 150)
+    kind = rng.choice(("FULL_TIME", "FULL_TIME", "CONTRACTOR", "PART_TIME"))
+    remote = rng.random() < 0.3
     return {
         "slug": slug, "title": title, "company": company, "city": city, "region": region,
         "country": "GB", "salary_min": salary_min, "salary_max": salary_max,
         "currency": "GBP", "skills": skills, "date_posted": posted.isoformat(),
         "valid_through": (posted + timedelta(days=45)).isoformat(),
-        "employment_type": rng.choice(("FULL_TIME", "FULL_TIME", "CONTRACTOR", "PART_TIME")),
-        "remote": rng.random() < 0.3,
-        "description": [sentence(slug, k, words=[w for w in words if w not in _TITLE_WORDS],
-                                 length=24) for k in range(3)],
+        "employment_type": kind, "remote": remote,
+        "description": _description(title, company, city, skills, kind, remote,
+                                    salary_min, salary_max, rng.choice(_WORK)),
     }
+
+
+_WORK = ("the services behind its customer apps", "its data platform", "its internal tools",
+         "the APIs its partners use", "its billing systems")
+_KINDS = {"FULL_TIME": "a full-time, permanent role", "CONTRACTOR": "a contract role",
+          "PART_TIME": "a part-time role"}
+
+
+def _description(title: str, company: str, city: str, skills: list[str], kind: str,
+                 remote: bool, low: int, high: int, work: str) -> list[str]:
+    """The job page's description: plain sentences that agree with its facts."""
+    where = "fully remote within the UK" if remote else f"based in the {city} office"
+    return [
+        f"{company} is looking for a {title} to join its team in {city}.",
+        f"You will build and run {work} with {', '.join(skills[:2])} and {skills[2]}, "
+        "and share code reviews with the team.",
+        f"This is {_KINDS.get(kind, 'a permanent role')}, {where}, paying GBP {low:,} to "
+        f"{high:,} a year.",
+    ]
 
 
 def _jsonld(job: dict[str, Any], url: str) -> dict[str, Any]:
@@ -156,11 +176,19 @@ async def job_page(request: Request) -> Response:
 
 async def article_page(request: Request) -> Response:
     """``GET /pages/article/{slug}``."""
+    from .search import article_subject, subject_facts
+
     slug = request.path_params["slug"]
-    words = [w for w in slug.split("-") if w and not w.isdigit()]
-    title = titlecase(" ".join(words[:6])) or "Article"
-    paragraphs = "\n".join(f"<p>{html.escape(sentence(slug, k, words=words, length=40))}</p>"
-                           for k in range(4))
+    if "--" in slug:  # a search result's page: it states the facts its snippet quoted
+        subject, kind = article_subject(slug)
+        title = f"{subject}: {kind}"
+        facts = subject_facts(subject)
+        texts = [" ".join(facts[k:k + 2]) for k in range(0, len(facts), 2)]
+    else:
+        words = [w for w in slug.split("-") if w and not w.isdigit()]
+        title = titlecase(" ".join(words[:6])) or "Article"
+        texts = [sentence(slug, k, words=words, length=40) for k in range(4)]
+    paragraphs = "\n".join(f"<p>{html.escape(text)}</p>" for text in texts)
     return HTMLResponse(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title></head>
 <body><article><h1>{html.escape(title)}</h1>

@@ -18,8 +18,13 @@ schema in every case the emulator is expected to meet (and a best effort otherwi
 
 Values are plausible where that is cheap: property names choose the kind of text or
 number (``email``, ``company``, ``salary_min``, ``skills``...), and words of the prompt
-(``hint``) flavour free text. Each candidate is checked with ``jsonschema`` (formats
-included); a candidate that fails is retried with another variant of the choices.
+(``hint``) flavour free text. Facts the prompt states (``facts.read_facts``: a listing's
+title, company, place, salary and skills; numbered sources; market figures) come back in
+the fields named for them, and summaries and narratives are sentences built from them
+(citing sources as ``[n]``); the first half of the attempts use them, the rest do not,
+so a schema the facts do not fit still gets a valid answer. Each candidate is checked
+with ``jsonschema`` (formats included); a candidate that fails is retried with another
+variant of the choices.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ from datetime import UTC, date, datetime, timedelta
 from fractions import Fraction
 from typing import Any
 
+from .facts import (
+    Facts,
+    brief_sentences,
+    listing_summary,
+    market_sentences,
+    read_facts,
+    source_fact,
+)
 from .regex_strings import string_for_pattern
 from .text import (
     CITIES,
@@ -94,10 +107,11 @@ def generate_instance(schema: Any, *, seed: object = 0, hint: str = "",
     cls = validator_for(schema)
     validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
     words = keywords(hint)
+    facts = read_facts(hint)
     candidate: Any = None
     for attempt in range(attempts):
         gen = _Generator(schema, seed=seed, attempt=attempt, words=words, max_depth=max_depth,
-                         hint=hint)
+                         hint=hint, facts=facts if attempt < attempts // 2 else None)
         try:
             candidate = gen.value(schema, _Ctx())
         except (RecursionError, _Unsatisfiable, ValueError, TypeError, KeyError):
@@ -136,8 +150,9 @@ class _Ctx:
 
 class _Generator:
     def __init__(self, root: Any, *, seed: object, attempt: int, words: list[str],
-                 max_depth: int, hint: str = "") -> None:
+                 max_depth: int, hint: str = "", facts: Facts | None = None) -> None:
         self.root = root
+        self.facts = facts if facts is not None and facts.known else None
         self.hint = hint
         self.seed = seed
         self.attempt = attempt
@@ -200,6 +215,10 @@ class _Generator:
     def value(self, schema: Any, ctx: _Ctx) -> Any:
         self.nodes += 1
         s = self.flatten(schema)
+        if self.facts is not None:
+            stated = self.stated(s, ctx, self.facts)
+            if stated is not _UNSTATED:
+                return stated
         if "not" in s and s["not"] in ({}, True) and len(s) == 1:
             raise _Unsatisfiable("false schema")
         for _ in range(20):  # a chosen branch may itself hold anyOf/oneOf
@@ -232,6 +251,80 @@ class _Generator:
         if kind == "array":
             return self.array(s, ctx)
         return self.object(s, ctx)
+
+    # facts the prompt states ------------------------------------------------------------
+
+    def stated(self, s: dict[str, Any], ctx: _Ctx, facts: Facts) -> Any:
+        """What the prompt states for this field, or ``_UNSTATED``.
+
+        A listing field the listing says nothing about is null where the schema allows it.
+        """
+        name = re.sub(r"[^a-z]+", "_", ctx.name.lower()).strip("_")
+        names = [re.sub(r"[^a-z]+", "_", p.lower()) for p in ctx.path if isinstance(p, str)]
+        nullable = _allows_null(s)
+        value: Any = _UNSTATED
+        item = next((p for p in reversed(ctx.path) if isinstance(p, int)), 0)
+        if facts.sources:
+            source = facts.sources[item % len(facts.sources)]
+            if name in ("summary", "description", "overview", "brief", "description_summary"):
+                value = " ".join(brief_sentences(facts))
+            elif name == "sentences":
+                value = brief_sentences(facts)
+            elif name in ("fact", "text", "claim") and len(names) > 1:
+                value = source_fact(source)
+            elif name in ("source", "source_number", "citation", "ref") and \
+                    _fits_type(source.number, s):
+                value = source.number
+            elif name in ("source_url", "url"):
+                value = source.url
+            elif name in ("source_title",):
+                value = source.title
+        elif facts.figures:
+            sentences = market_sentences(facts.figures)
+            if name == "sentences":
+                value = sentences
+            elif name in ("narrative", "summary", "description", "overview"):
+                value = " ".join(sentences)
+        elif facts.listing:
+            salary = facts.salary
+            in_salary = any(n in ("salary", "pay", "compensation") for n in names[:-1])
+            if in_salary and name in ("min", "minimum", "low", "from", "lower"):
+                value = salary.low if salary else None
+            elif in_salary and name in ("max", "maximum", "high", "to", "upper"):
+                value = salary.high if salary else None
+            elif name in ("currency", "salary_currency"):
+                value = salary.currency if salary else None
+            elif name in ("period", "salary_period", "per", "interval", "unit") and in_salary:
+                value = salary.period if salary else None
+            elif name in ("salary", "compensation", "pay") and salary is None:
+                value = None
+            elif name in ("title", "job_title", "role", "position"):
+                value = facts.title
+            elif name in ("company", "employer", "company_name", "organisation",
+                          "organization", "hiring_organization"):
+                value = facts.company
+            elif name in ("location", "city", "place", "job_location"):
+                value = facts.location
+            elif name in ("employment_type", "employment", "contract_type", "job_type"):
+                value = facts.employment_type
+            elif name in ("remote", "is_remote", "remote_work"):
+                value = facts.remote
+            elif name in ("skills", "technologies", "required_skills", "tech_stack"):
+                value = list(facts.skills)
+            elif name in ("description_summary", "summary", "description", "overview"):
+                value = listing_summary(facts)
+        if value is _UNSTATED:
+            return _UNSTATED
+        if value is None:
+            return None if nullable else _UNSTATED
+        if isinstance(value, str):
+            limit = s.get("maxLength")
+            if isinstance(limit, int) and len(value) > limit:
+                value = value[:limit].rsplit(" ", 1)[0] if " " in value[:limit] \
+                    else value[:limit]
+        if "enum" in s and value not in s["enum"]:
+            return None if nullable and None in s["enum"] else _UNSTATED
+        return value if _fits_type(value, s) else _UNSTATED
 
     def choose_branch(self, branches: list[Any], ctx: _Ctx, key: str) -> Any:
         if not branches:
@@ -475,6 +568,9 @@ class _Generator:
         hi = int(hi) if isinstance(hi, (int, float)) else None
         if self.deep(ctx):
             n = lo
+        elif self.facts is not None and self.facts.sources and ctx.name in (
+                "key_facts", "facts", "citations", "claims"):
+            n = max(lo, len(self.facts.sources))  # one item per numbered source
         else:
             n = max(lo, len(prefix), 3 if ctx.depth <= 1 else 2 if ctx.depth <= 3 else 1)
         if rest is False:
@@ -581,6 +677,39 @@ class _Generator:
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+_UNSTATED = object()
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "array": (list,), "object": (dict,), "null": (type(None),)}
+
+
+def _allows_null(s: dict[str, Any]) -> bool:
+    """Whether the (flattened) schema admits null: by type, nullable, enum or a branch."""
+    declared = s.get("type")
+    if declared == "null" or (isinstance(declared, list) and "null" in declared):
+        return True
+    if s.get("nullable") is True or ("enum" in s and None in s["enum"]):
+        return True
+    return any(isinstance(b, dict) and _is_null(b)
+               for key in ("anyOf", "oneOf") for b in s.get(key) or [])
+
+
+def _fits_type(value: Any, s: dict[str, Any]) -> bool:
+    """Whether ``value`` has one of the schema's declared types (any, when none is)."""
+    declared = s.get("type")
+    if declared is None:
+        return True
+    types = [declared] if isinstance(declared, str) else list(declared)
+    for t in types:
+        kinds = _JSON_TYPES.get(t, ())
+        if isinstance(value, bool) and t not in ("boolean",):
+            continue
+        if t == "integer" and isinstance(value, float) and not value.is_integer():
+            continue
+        if isinstance(value, kinds):
+            return True
+    return False
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")

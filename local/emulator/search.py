@@ -3,7 +3,10 @@
 
 Results are a function of the query. Their URLs point at the emulator's own pages
 (``/pages/job/...`` for job-like queries, ``/pages/article/...`` otherwise) so that a
-pipeline that searches and then fetches works offline end to end.
+pipeline that searches and then fetches works offline end to end. Snippets are plain
+sentences about the query's subject (``Acme Logistics company overview`` is about Acme
+Logistics): when it was founded, where it is based, its size, products, funding and news,
+each fact the same in every result that states it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,17 @@ from starlette.responses import JSONResponse, Response
 
 from .dialects import ApiFault
 from .gate import request_json
-from .text import COMPANIES, digest, keywords, pick, rng_for, sentence, slugify, titlecase
+from .text import (
+    CITIES,
+    COMPANIES,
+    SKILLS,
+    digest,
+    keywords,
+    pick,
+    rng_for,
+    slugify,
+    titlecase,
+)
 
 _SITES = ("glassdoor-like", "company-blog", "news-daily", "tech-weekly", "careers-hub",
           "wiki-like", "forum-like", "reviews-site")
@@ -48,6 +61,63 @@ async def brave_auth(request: Request) -> ApiFault | None:
                              "meta": {"component": "authentication"}})
 
 
+_GENERIC = {"company", "overview", "news", "review", "reviews", "about", "profile", "info",
+            "information", "history", "funding", "careers", "culture", "ltd", "inc"}
+_PRODUCTS = ("route-planning software", "warehouse automation", "payment services",
+             "analytics tools", "delivery fleets", "cloud hosting", "patient-record systems",
+             "energy-trading platforms")
+_CUSTOMERS = ("retailers", "hospitals", "small businesses", "banks", "manufacturers",
+              "public bodies")
+_INVESTORS = ("Northgate Ventures", "Harbour Capital", "Summit Partners", "Fieldstone Fund")
+
+
+ARTICLE_KINDS = ("overview", "profile", "news", "analysis")
+
+
+def article_slug(subject: str, kind: str, site: str, i: int) -> str:
+    """The slug of a result's article page: ``<subject>--<kind>--<site>-<i>``."""
+    return f"{slugify(subject)}--{kind}--{site}-{i}"
+
+
+def article_subject(slug: str) -> tuple[str, str]:
+    """The subject (title case) and kind of an article page's slug."""
+    subject, _, rest = slug.partition("--")
+    kind = rest.partition("--")[0]
+    return titlecase(subject.replace("-", " ")), kind if kind in ARTICLE_KINDS else "overview"
+
+
+def subject_of(query: str) -> str:
+    """What a query is about: its words without domains and generic trailing words."""
+    words = [w for w in query.split() if "." not in w.strip(".")]
+    while words and words[-1].lower() in _GENERIC:
+        words.pop()
+    return " ".join(words) or query.strip()
+
+
+def subject_facts(subject: str) -> list[str]:
+    """Sentences about ``subject``, the same for the same subject in every result."""
+    rng = rng_for("subject", subject.lower())
+    city = rng.choice(CITIES)[0]
+    founded = rng.randint(1995, 2019)
+    staff = rng.randrange(80, 4000, 10)
+    offices = rng.randint(2, 9)
+    product, customers = rng.choice(_PRODUCTS), rng.choice(_CUSTOMERS)
+    raised, series = rng.randint(8, 120), rng.choice("ABC")
+    investor = rng.choice(_INVESTORS)
+    funded = rng.randint(max(founded + 1, 2018), 2026)
+    skills = rng.sample(SKILLS[:12], 2)
+    return [
+        f"{subject} was founded in {founded} and is headquartered in {city}.",
+        f"{subject} builds {product} for {customers}.",
+        f"{subject} employs about {staff:,} people across {offices} offices.",
+        f"In {funded}, {subject} raised GBP {raised} million in a Series {series} round led "
+        f"by {investor}.",
+        f"{subject} is hiring engineers with {skills[0]} and {skills[1]} experience in "
+        f"{city}.",
+        f"Customers of {subject} praise its support and its reliable service.",
+    ]
+
+
 def results_for(query: str, count: int, base: str, *, offset: int = 0) -> list[dict[str, Any]]:
     """``count`` deterministic results for ``query`` (title, url, snippet, score)."""
     words = keywords(query, 6)
@@ -58,14 +128,20 @@ def results_for(query: str, count: int, base: str, *, offset: int = 0) -> list[d
         rng = rng_for("result", query.lower(), i)
         site = pick(_SITES, "site", query.lower(), i)
         company = pick(COMPANIES, "company", query.lower(), i)
-        slug = slugify(f"{topic} {site} {i}")
         if jobby:
             title = f"{topic} at {company} | {site}"
             url = f"{base}/pages/job/{slugify(f'{topic} {company}')}-{i + 1}"
         else:
-            title = f"{topic}: {rng.choice(('overview', 'guide', 'news', 'analysis'))} | {site}"
-            url = f"{base}/pages/article/{slug}"
-        snippet = (f"{topic} — " + sentence(query, i, words=words, length=18)).strip()
+            subject, kind = subject_of(query), rng.choice(ARTICLE_KINDS)
+            title = f"{subject}: {kind} | {site}"
+            url = f"{base}/pages/article/{article_slug(subject, kind, site, i)}"
+        if jobby:
+            city = pick(CITIES, "city", query.lower(), i)[0]
+            snippet = (f"{company} is hiring: {topic} in {city}. Apply with experience in "
+                       f"{pick(SKILLS, 'skill', query.lower(), i)}.")
+        else:
+            facts = subject_facts(subject_of(query))
+            snippet = " ".join(facts[(i + k) % len(facts)] for k in range(2))
         out.append({"title": title, "url": url, "content": snippet,
                     "score": round(0.98 - 0.07 * i - rng.uniform(0, 0.02), 5),
                     "published_date": f"2026-0{1 + i % 9}-{10 + i % 18:02d}"})
@@ -92,15 +168,14 @@ async def tavily_search(request: Request) -> Response:
     include_raw = body.get("include_raw_content")
     topic = body.get("topic", "general")
     for r in results:
-        r["raw_content"] = (r["content"] + " " + sentence(r["url"], length=60)) \
+        r["raw_content"] = (r["content"] + " " + " ".join(subject_facts(subject_of(query)))) \
             if include_raw else None
         if topic != "news":
             r.pop("published_date")
     answer = None
     if body.get("include_answer"):
-        words = keywords(query, 5)
-        answer = (f"Based on {len(results)} sources, {' '.join(words) or 'the topic'} "
-                  f"{sentence(query, 'answer', length=14).lower()}")
+        facts = subject_facts(subject_of(query))
+        answer = f"Based on {len(results)} sources: {facts[0]} {facts[2]}"
     images = [f"{base}/pages/image/{i}.png" for i in range(3)] if body.get("include_images") \
         else []
     return JSONResponse({

@@ -21,7 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import AuthenticationError, ConnectionError
 
-from local.redis_servers import RedisCluster3, RedisServer, free_port
+from local.redis_servers import Engine, RedisCluster3, RedisServer, free_port
 from usage_limits.connection import (
     CachedTokenProvider,
     ElastiCacheIAMProvider,
@@ -34,9 +34,9 @@ REGION = "eu-west-1"
 
 
 @pytest.fixture(scope="module")
-def password_server() -> Iterator[RedisServer]:
-    """A private redis-server whose default user needs PASSWORD."""
-    with RedisServer() as server:
+def password_server(engine: Engine) -> Iterator[RedisServer]:
+    """A private server of the test's engine whose default user needs PASSWORD."""
+    with RedisServer(engine=engine) as server:
         # Set after start: RedisServer's readiness probe sends PING without AUTH.
         server.cli("config", "set", "requirepass", PASSWORD)
         yield server
@@ -181,8 +181,12 @@ async def test_credential_provider_authenticates_and_renews(
 
 
 @pytest.fixture(scope="module")
-def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, int, Path]]:
-    """A redis-server with a TLS port and a self-signed certificate for 127.0.0.1."""
+def tls_server(engine: Engine, tmp_path_factory: pytest.TempPathFactory,
+               ) -> Iterator[tuple[RedisServer, int, Path]]:
+    """A server with a TLS port and a self-signed certificate for 127.0.0.1.
+
+    Its tests are marked ``tls``: they run on the engines built with TLS only.
+    """
     if not shutil.which("openssl"):
         pytest.skip("openssl not installed")
     folder = tmp_path_factory.mktemp("tls")
@@ -193,12 +197,13 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Redis
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
     tls_port = free_port()
-    with RedisServer(extra=["--tls-port", str(tls_port), "--tls-cert-file", str(cert),
-                            "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
-                            "--tls-auth-clients", "no"]) as server:
+    with RedisServer(engine=engine, extra=[
+            "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+            "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]) as server:
         yield server, tls_port, cert
 
 
+@pytest.mark.tls
 async def test_rediss_verifies_the_server_certificate(
         tls_server: tuple[RedisServer, int, Path]) -> None:
     """rediss:// talks TLS with a trusted CA file and refuses an unknown certificate."""
@@ -215,6 +220,7 @@ async def test_rediss_verifies_the_server_certificate(
         await untrusted.aclose()
 
 
+@pytest.mark.tls
 async def test_iam_auth_from_the_environment_logs_in(
         tls_server: tuple[RedisServer, int, Path], monkeypatch: pytest.MonkeyPatch,
         uid: str) -> None:

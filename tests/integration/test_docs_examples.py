@@ -1,10 +1,11 @@
-"""The README's and docs' curl examples, pasted in order on a fresh `make serve`, answer the
+"""The README's and docs' examples, pasted in order on a fresh `make serve`, answer the
 statuses the documents show.
 
-An example is a ``sh``/``bash`` block that runs ``curl``. Its expected statuses are its
+A curl example is a ``sh``/``bash`` block that runs ``curl``. Its expected statuses are its
 comment lines that start with a status (``# 200: ...``, ``# refused: 422 ...``), one per
 request, or else the output block right after it (``HTTP/1.1 200 OK`` lines and lines of
-bare statuses such as ``200 200 200``).
+bare statuses such as ``200 200 200``). A client example is a ``python`` block that talks
+to ``http://127.0.0.1:8000``; it must run to its end (exit status 0), as pasted.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,7 @@ class Example:
     where: str
     script: str
     expected: tuple[int, ...]
+    python: bool = False
 
 
 def documents() -> list[Path]:
@@ -86,6 +89,10 @@ def examples() -> list[Example]:
     for document in documents():
         blocks = _blocks(document.read_text(encoding="utf-8"))
         for n, (language, body, line) in enumerate(blocks):
+            where = f"{document.relative_to(ROOT)}:{line}"
+            if language == "python" and any(DOC_SERVER in ln for ln in body):
+                found.append(Example(where, "\n".join(body), (0,), python=True))
+                continue
             if language not in ("sh", "bash", "shell") or not any(
                     re.search(r"(^|[\s;(])curl\s", ln) for ln in body):
                 continue
@@ -96,8 +103,7 @@ def examples() -> list[Example]:
                         expected.append(int(match[1]))
                     elif _BARE_STATUSES.match(out.strip()):
                         expected.extend(int(s) for s in out.split())
-            found.append(Example(f"{document.relative_to(ROOT)}:{line}", "\n".join(body),
-                                 tuple(expected)))
+            found.append(Example(where, "\n".join(body), tuple(expected)))
     return found
 
 
@@ -117,6 +123,12 @@ def test_examples_pasted_in_order_answer_as_documented() -> None:
             statuses.write_text("")
             script = (example.script.replace(DOC_SERVER, served.url)
                       .replace(DOC_EMULATOR, served.emulator_url))
+            if example.python:
+                out = subprocess.run([sys.executable, "-c", script], cwd=tmp, text=True,
+                                     capture_output=True, timeout=300)
+                results.append((example.where, example.expected, (out.returncode,),
+                                (out.stdout + out.stderr)[-600:]))
+                continue
             out = subprocess.run(["bash", "-c", _PRELUDE + script], cwd=tmp, text=True,
                                  capture_output=True, timeout=300,
                                  env={**os.environ, "STATUSES": str(statuses),

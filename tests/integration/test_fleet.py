@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from local.redis_servers import Engine
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -31,9 +33,9 @@ def fault(summary: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def standalone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One quick run on a standalone Redis with every cheap fault."""
-    return run_fleet(tmp_path_factory.mktemp("standalone"))
+def standalone(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One quick run on a standalone server of the engine, with every cheap fault."""
+    return run_fleet(tmp_path_factory.mktemp(f"standalone-{engine.name}"))
 
 
 def test_every_invariant_holds(standalone: dict[str, Any]) -> None:

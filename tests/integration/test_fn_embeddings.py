@@ -73,6 +73,23 @@ def test_vectors_come_back_in_order_and_cost_1(env: EmulatorProcess) -> None:
     assert arrivals(env) == 1
 
 
+@pytest.mark.parametrize(("texts", "cost"), [
+    (["x"], 1),
+    (["short text"] * 64, 1),                 # 640 characters: one step
+    (["a" * 8_000], 1),
+    (["a" * 4_000, "b" * 4_001], 2),          # 8,001 characters start a second step
+    (["a" * 8_000] * 3, 3),
+])
+def test_cost_is_one_token_per_started_8000_characters(
+        env: EmulatorProcess, texts: list[str], cost: int) -> None:
+    """The charge follows the input's size, all texts together, not the number of texts."""
+    user = uuid.uuid4().hex
+    res = embed(user, {"input": texts, "dimensions": 8})
+    assert res.status == 200, res.body
+    assert res.headers["ratelimit"].startswith(f'"1h";r={100 - cost};')
+    assert used(user) == cost
+
+
 def test_model_is_passed_through(env: EmulatorProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """An explicit model that the deployment offers is sent upstream and reported back."""
     monkeypatch.setenv("LLM_EMBEDDING_MODELS", "text-embedding-3-large")
@@ -116,13 +133,14 @@ def test_bad_input_is_422_and_free(env: EmulatorProcess, body: Any) -> None:
 
 def test_largest_batch_fits_when_the_body_cap_allows(env: EmulatorProcess,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """64 texts of 8,000 characters go through once ATTO_MAX_BODY_BYTES admits ~513 kB."""
+    """64 texts of 8,000 characters go through once ATTO_MAX_BODY_BYTES admits ~513 kB, for
+    64 tokens (one per started 8,000 characters)."""
     monkeypatch.setenv("ATTO_MAX_BODY_BYTES", str(1024 * 1024))
     settings.cache_clear()
     user = uuid.uuid4().hex
     res = embed(user, {"input": ["word " * 1600] * 64, "dimensions": 8})
     assert res.status == 200, res.body
-    assert len(res.body["data"]) == 64 and used(user) == COST
+    assert len(res.body["data"]) == 64 and used(user) == 64
 
 
 def test_largest_batch_is_413_under_the_default_body_cap(env: EmulatorProcess) -> None:

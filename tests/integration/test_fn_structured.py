@@ -120,7 +120,20 @@ def test_usage_reports_windows_events_and_prices(env: EmulatorProcess) -> None:
         100, 8, 92, 3600)
     assert res.body["events"][0]["request_id"] == "abc"
     assert res.body["events"][0]["route"] == "/v1/structured" and res.body["events"][0]["cost"] == 8
-    assert res.body["prices"]["POST /v1/structured"] == 8
+    assert res.body["prices"]["POST /v1/structured"] == (
+        "8 per started 8,000 characters of prompt and schema")
+    assert res.body["prices"]["POST /v1/embeddings"] == "1 per started 8,000 characters of input"
+
+
+def test_a_long_prompt_costs_8_per_started_8000_characters(env: EmulatorProcess) -> None:
+    """Prompt and schema of 8,001 characters cost two steps of 8 tokens, not a flat 8."""
+    user = uuid.uuid4().hex
+    schema = {"type": "string"}  # {"type":"string"} is 17 characters
+    res = ask(user, {"prompt": "p" * (8_001 - 17), "schema": schema})
+    assert res.status == 200, res.body
+    assert used(user) == 16
+    res = ask(user, {"prompt": "p" * (8_000 - 17), "schema": schema})
+    assert res.status == 200 and used(user) == 24
 
 
 def test_usage_needs_identity(env: EmulatorProcess) -> None:

@@ -91,13 +91,14 @@ def test_serve_applies_each_functions_template_environment() -> None:
     served by the same worker in between, still refuses a body over 256 KiB."""
     big_prompt = {"prompt": "x" * 300_000, "schema": {"type": "string"}}
     with serving.serve() as served:
-        def post(path: str, body: object) -> httpx.Response:
+        def post(path: str, body: object, user: str) -> httpx.Response:
             return httpx.post(served.url + path, json=body, timeout=120,
-                              headers={"X-Atto-User": "env-check"})
+                              headers={"X-Atto-User": user})
 
-        first = post("/v1/embeddings", BIG_BATCH)
-        refused = post("/v1/structured", big_prompt)
-        again = post("/v1/embeddings", BIG_BATCH)
+        # a 513 kB batch costs 63 tokens (priced by size): one per user fits a 100/1h plan
+        first = post("/v1/embeddings", BIG_BATCH, "env-check-1")
+        refused = post("/v1/structured", big_prompt, "env-check-1")
+        again = post("/v1/embeddings", BIG_BATCH, "env-check-2")
     assert first.status_code == 200, first.text
     assert len(first.json()["data"]) == 64
     assert refused.status_code == 413

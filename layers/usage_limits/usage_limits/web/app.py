@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from ..exceptions import InvalidArgument, LimiterUnavailable, ProviderBusy
 from .errors import ApiError, error_response, retry_after_header
+from .metering import MeteredRoute
 from .middleware import UsageLimitsMiddleware
 
 log = logging.getLogger("usage_limits.web")
@@ -64,6 +65,7 @@ METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
 def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
     """A FastAPI app whose errors follow the public contract and whose charges are refunded."""
     app = FastAPI(title=title, version=version, responses=COMMON_RESPONSES, **kwargs)
+    app.router.route_class = MeteredRoute  # charges after validation, before the route runs
     app.add_middleware(UsageLimitsMiddleware)
 
     @app.exception_handler(ApiError)

@@ -3,8 +3,9 @@
     @app.post("/v1/structured", dependencies=[Depends(require_tokens(cost=8))])
     async def structured(body: StructuredIn) -> StructuredOut: ...
 
-The dependency identifies the caller, reserves ``cost`` tokens under the request's id in
-one atomic script, and raises the public error when it cannot (429, 409, 401, 503). The
+The dependency identifies the caller (401); once the request is valid, the guard reserves
+``cost`` tokens under the request's id in one atomic script and raises the public error
+when it cannot (429, 409, 503). The
 refund is not done here: ``UsageLimitsMiddleware`` sees the final status of the response
 (a route may *return* a 5xx, which a dependency never sees) and refunds every charge whose
 request did not succeed. A route that learns its real cost can lower the charge:
@@ -12,19 +13,28 @@ request did not succeed. A route that learns its real cost can lower the charge:
     async def route(charge: Charge = Depends(require_tokens(cost=10))):
         ...
         await charge.settle(3)
+
+The charge is made after FastAPI has validated the request: the dependency only identifies
+the caller, and ``create_app``'s routes (``web.metering``) reserve just before the route's
+code runs. A malformed request gets its 422 from everyone, whatever their budget, and costs
+no Redis call. A cost may also be computed from the validated request (``web.costs``):
+
+    @app.post("/v1/embeddings",
+              dependencies=[Depends(require_tokens(cost=per_started(EmbeddingsIn, ...)))])
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
 from . import identity, refunds, runtime
 from . import observability as obs
+from .costs import Cost, price
 from .errors import (
     BudgetExceeded,
     IdempotencyConflict,
@@ -34,9 +44,11 @@ from .errors import (
 from .settings import settings
 
 if TYPE_CHECKING:
-    from ..budget import Reservation, TokenBudget
+    from ..budget import Reservation, TokenBudget, WindowUsage
 
 STATE_KEY = "usage_limits"
+#: Attribute of a route class that reserves after validation (``metering.MeteredRoute``).
+METERED_ROUTE = "reserves_after_validation"
 
 
 @dataclass
@@ -79,6 +91,18 @@ class RequestState:
     charge: Charge | None = None
     user_id: str | None = None
     route_cost: int = 0
+    #: The charge ``require_tokens`` prepared; reserved by ``meter`` once the request is valid.
+    pending: Charge | None = None
+    #: Computes the cost from the route's validated arguments and reserves it.
+    meter: Callable[[dict[str, Any]], Awaitable[Charge]] | None = None
+    #: The Idempotency-Key record of a keyed request from an identified user, and the record
+    #: this request claimed (completed or abandoned by the middleware).
+    idempotency: dict[str, Any] | None = None
+    claimed: dict[str, Any] | None = None
+    #: Milliseconds the request may run, from the Lambda context.
+    remaining_ms: int = 29_000
+    #: The user's windows read for an answer that reserved nothing (a replay, a 409).
+    windows: tuple[WindowUsage, ...] = ()
 
 
 def request_state(request: Request) -> RequestState:
@@ -105,27 +129,57 @@ def _route_path(request: Request) -> str:
 
 
 def require_tokens(
-    cost: int, *, route: str | None = None
+    cost: int | Cost[Any], *, route: str | None = None
 ) -> Callable[[Request], Awaitable[Charge]]:
-    """A FastAPI dependency that reserves ``cost`` tokens before the route runs.
+    """A FastAPI dependency that reserves ``cost`` tokens once the request is validated.
 
     Args:
-        cost: tokens this route costs, a positive integer.
+        cost: tokens this route costs: a positive integer, or a ``Cost`` computed from the
+            route's validated request model (``costs.per_started``).
         route: the name recorded on the spend event (default: the route's path).
 
+    Returns:
+        The dependency; it gives the route the request's ``Charge``.
+
     Raises:
-        InvalidArgument: ``cost`` is not a positive integer (at import time).
+        InvalidArgument: ``cost`` is neither a positive integer nor a ``Cost`` (at import
+            time).
     """
-    if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
-        raise InvalidArgument(f"require_tokens: cost must be a positive integer, got {cost!r}")
+    if not isinstance(cost, Cost) and (isinstance(cost, bool) or not isinstance(cost, int)
+                                       or cost <= 0):
+        raise InvalidArgument(f"require_tokens: cost must be a positive integer or a Cost, "
+                              f"got {cost!r}")
+    declared = cost
 
     async def reserve_tokens(request: Request) -> Charge:
+        """Identify the caller and prepare the charge; ``meter`` reserves it."""
+        if not getattr(request.scope.get("route"), METERED_ROUTE, False):
+            raise InvalidArgument("require_tokens is only for routes of an app made by create_app")
+        state = request_state(request)
+        user = current_user(request)
+        state.pending = Charge(runtime.get_budget(settings().plan), user,
+                               identity.request_id(request), 0, None)
+
+        async def meter(arguments: dict[str, Any]) -> Charge:
+            if isinstance(declared, int):
+                return await charge_tokens(request, declared)
+            model = next((v for v in arguments.values() if isinstance(v, declared.model)), None)
+            if model is None:
+                raise InvalidArgument(f"the route takes no {declared.model.__name__} to price")
+            return await charge_tokens(request, declared.of(model))
+
+        state.meter = meter
+        return state.pending
+
+    async def charge_tokens(request: Request, cost: int) -> Charge:
+        """Reserve ``cost`` tokens for the prepared charge, or raise the public error."""
         state = request_state(request)
         state.route_cost = cost
-        user = current_user(request)
-        rid = identity.request_id(request)
+        charge = state.pending
+        if charge is None:
+            raise InvalidArgument("no charge was prepared for this request")
+        user, rid, budget = charge.user_id, charge.request_id, charge.budget
         plan = settings().plan
-        budget = runtime.get_budget(plan)
         name = route or _route_path(request)
         try:
             reservation = await budget.reserve(user, rid, cost=cost, route=name)
@@ -157,12 +211,14 @@ def require_tokens(
             raise IdempotencyConflict(
                 "this Idempotency-Key was already used for a request that was charged; "
                 "use a new key for a new request")
-        state.charge = Charge(budget, user, rid, cost, reservation)
+        charge.cost, charge.reservation = cost, reservation
+        state.charge = charge
         obs.count(obs.TOKENS_RESERVED, cost)
         return state.charge
 
-    reserve_tokens.__name__ = f"require_tokens_{cost}"
-    reserve_tokens.cost = cost  # type: ignore[attr-defined]  # read by the price-list test
+    reserve_tokens.__name__ = (f"require_tokens_{cost}" if isinstance(cost, int)
+                               else f"require_tokens_per_{cost.model.__name__}")
+    reserve_tokens.cost = price(cost)  # type: ignore[attr-defined]  # read by the price-list test
     return reserve_tokens
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,11 +69,26 @@ def _persistence() -> Any:
             warnings.simplefilter("ignore", DeprecationWarning)
 
             class Persistence(CachePersistenceLayer):
-                """Powertools' cache layer, keeping the payload hash on COMPLETED records.
+                """Powertools' cache layer, keeping the payload hash on COMPLETED records,
+                and reading an existing record once per claim.
 
                 Its own ``_update_record`` drops the hash when a record completes, after which
                 every repeat fails payload validation; this writes the same record with it.
+                Its ``save_inprogress`` reads the record it found (GET) to decide, and
+                ``get_record`` would read it again: within ``claim`` the second read reuses
+                the first, so a repeat costs two round trips (SET NX, GET), not three.
                 """
+
+                reads = threading.local()
+
+                def _get_record(self, idempotency_key: str) -> Any:
+                    memo: dict[str, Any] | None = getattr(self.reads, "memo", None)
+                    if memo is not None and idempotency_key in memo:
+                        return memo.pop(idempotency_key)
+                    record = super()._get_record(idempotency_key)
+                    if memo is not None:
+                        memo[idempotency_key] = record
+                    return record
 
                 def _update_record(self, data_record: Any) -> None:
                     item = {self.data_attr: data_record.response_data,
@@ -120,16 +136,12 @@ async def begin(data: dict[str, Any], remaining_ms: int) -> Replay | None:
     """
     from aws_lambda_powertools.utilities.idempotency import exceptions as ex
 
-    # The store is created in the worker thread too: a cluster client connects when made.
+    # One worker thread call (the store is created there too: a cluster client connects
+    # when made): the claim, and on a repeat the record that the claim already read.
     try:
-        await asyncio.to_thread(lambda: _persistence().save_inprogress(data, remaining_ms))
-        return None
-    except ex.IdempotencyItemAlreadyExistsError:
-        pass
-    except Exception as exc:
-        raise LimiterUnavailable(f"idempotency store unavailable: {exc}") from exc
-    try:
-        record = await asyncio.to_thread(lambda: _persistence().get_record(data))
+        record = await asyncio.to_thread(_claim, data, remaining_ms)
+        if record is None:
+            return None
     except ex.IdempotencyValidationError as exc:
         raise KeyReused() from exc
     except ex.IdempotencyItemNotFoundError:
@@ -142,6 +154,24 @@ async def begin(data: dict[str, Any], remaining_ms: int) -> Replay | None:
     return Replay(int(stored.get("status", 200)),
                   [(k, v) for k, v in stored.get("headers", [])],
                   str(stored.get("body", "")).encode())
+
+
+def _claim(data: dict[str, Any], remaining_ms: int) -> Any:
+    """Save the INPROGRESS record; None when saved, else the existing record (validated
+    against this request's payload)."""
+    from aws_lambda_powertools.utilities.idempotency import exceptions as ex
+
+    layer = _persistence()
+    layer.reads.memo = {}
+    try:
+        try:
+            layer.save_inprogress(data, remaining_ms)
+            return None
+        except ex.IdempotencyItemAlreadyExistsError:
+            pass
+        return layer.get_record(data)
+    finally:
+        layer.reads.memo = None
 
 
 async def complete(data: dict[str, Any], status: int, headers: list[tuple[bytes, bytes]],

@@ -4,11 +4,15 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
 
 1. sets the request deadline from the Lambda context (``scope["aws.context"]``);
 2. caps the body size (413 ``payload_too_large`` before any handler or charge);
-3. records the response status and adds the ``RateLimit-Policy``/``RateLimit`` headers;
-4. refunds the request's charge when it did not succeed: the route raised, or the
+3. notes a keyed request's idempotency record (claimed after validation, by
+   ``web.metering``), and stores a successful answer for repeats;
+4. records the response status and adds the ``RateLimit-Policy``/``RateLimit`` headers: from
+   the reservation, or from the usage read for an answer that reserved nothing (a replay,
+   a 409 ``idempotency_conflict``);
+5. refunds the request's charge when it did not succeed: the route raised, or the
    response status is 4xx/5xx (a ``yield`` dependency sees raised exceptions but not a
    5xx that a route returns, which is why this lives here);
-5. turns any unhandled exception into the public 500 error body.
+6. turns any unhandled exception into the public 500 error body.
 """
 
 from __future__ import annotations
@@ -20,11 +24,10 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..deadline import deadline_scope, request_budget_s
-from ..exceptions import LimiterUnavailable
 from . import events, identity, refunds
 from . import idempotency as idem
 from . import observability as obs
-from .errors import ApiError, error_response, retry_after_header
+from .errors import ApiError, error_response
 from .guard import STATE_KEY, RequestState
 from .settings import settings
 
@@ -66,15 +69,12 @@ class UsageLimitsMiddleware:
                                      f"request body is larger than {conf.max_body_bytes} bytes",
                                      limit_bytes=conf.max_body_bytes)(scope, receive, send)
                 return
-            record = _idempotency_record(scope, body)
-            if record is not None:
-                answered = await _claim(scope, receive, send, record, remaining_ms)
-                if answered:
-                    return
-            await self._run(scope, _replay(body, receive), send, state, record)
+            state.idempotency = _idempotency_record(scope, body)
+            state.remaining_ms = remaining_ms
+            await self._run(scope, _replay(body, receive), send, state)
 
-    async def _run(self, scope: Scope, receive: Receive, send: Send, state: RequestState,
-                   record: dict[str, Any] | None = None) -> None:
+    async def _run(self, scope: Scope, receive: Receive, send: Send,
+                   state: RequestState) -> None:
         started = time.perf_counter()
         log = obs.logger()
         log.append_keys(request_id=_request_id(scope),
@@ -90,11 +90,11 @@ class UsageLimitsMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 response_headers = list(message.get("headers", []))
-                if state.reservation is not None:
+                if state.reservation is not None or state.windows:
                     refunding = state.charge is not None and status >= 400
                     message = {**message, "headers": response_headers
                                + _ratelimit_headers(state, refunding)}
-            elif message["type"] == "http.response.body" and record is not None:
+            elif message["type"] == "http.response.body" and state.claimed is not None:
                 response_body.append(message.get("body", b""))
             await send(message)
 
@@ -123,6 +123,7 @@ class UsageLimitsMiddleware:
                 except Exception:  # the response is already out: retry before the next request
                     log.exception("refund failed; kept to retry before the next request")
                     refunds.keep(charge, max(seconds for _, seconds in settings().plan))
+            record = state.claimed
             if record is not None:
                 try:
                     if 200 <= status < 300:
@@ -164,38 +165,6 @@ def _idempotency_record(scope: Scope, body: bytes) -> dict[str, Any] | None:
         return None
     return idem.record_data(user, key, scope.get("method", ""), scope.get("path", ""),
                             scope.get("query_string", b""), body)
-
-
-async def _claim(scope: Scope, receive: Receive, send: Send, record: dict[str, Any],
-                 remaining_ms: int | None) -> bool:
-    """Claim the key; True when the request was answered here (replay or conflict)."""
-    try:
-        replay = await idem.begin(record, remaining_ms if remaining_ms is not None else 29_000)
-    except idem.InFlight:
-        response = error_response(409, "idempotency_conflict",
-                                  "a request with this Idempotency-Key is still in progress",
-                                  headers=retry_after_header(1))
-    except idem.KeyReused:
-        response = error_response(409, "idempotency_conflict",
-                                  "this Idempotency-Key was used for a different request")
-    except Exception as exc:  # LimiterUnavailable, or anything else the store raised
-        if not isinstance(exc, LimiterUnavailable):
-            obs.logger().exception("idempotency store failed")
-        response = error_response(503, "limiter_unavailable",
-                                  "the usage limiter is unavailable; nothing was charged",
-                                  headers=retry_after_header(1))
-    else:
-        if replay is None:
-            return False
-        await send({"type": "http.response.start", "status": replay.status,
-                    "headers": [(k.encode("latin-1"), v.encode("latin-1"))
-                                for k, v in replay.headers]
-                    + [(idem.REPLAY_HEADER.encode(), b"true"),
-                       (b"content-length", str(len(replay.body)).encode())]})
-        await send({"type": "http.response.body", "body": replay.body})
-        return True
-    await response(scope, receive, send)
-    return True
 
 
 async def _read_body(scope: Scope, receive: Receive, cap: int) -> bytes | None:
@@ -254,12 +223,13 @@ def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes
     refund, so the client sees what it really has left.
     """
     reservation = state.reservation
-    if reservation is None:
+    windows = reservation.windows if reservation is not None else state.windows
+    if not windows:
         return []
     give_back = state.charge.cost if (refunding and state.charge) else 0
     now = time.time()
     policies, limits = [], []
-    for w in reservation.windows:
+    for w in windows:
         label = _label(int(w.window_s))
         policies.append(f'"{label}";q={w.limit};w={int(w.window_s)}')
         remaining = min(w.limit, w.remaining + give_back)

@@ -78,6 +78,22 @@ def redis_slow(ctx: Context) -> dict[str, Any]:
     return {"fault": "redis-slow", "start": start, "end": time.time(), "note": "DEBUG SLEEP 1"}
 
 
+def ledger_refused(ctx: Context) -> dict[str, Any]:
+    """For 1.5 s every master refuses scripts (ACL: NOPERM on EVAL/EVALSHA) while plain
+    commands work: the ledger unavailable, the idempotency store available, as when a
+    user's ledger keys and an idempotency record live on different shards and only the
+    ledger's is down. Reservations fail (503, refund kept) while the keys can be claimed
+    again, so a client's retry is served by another environment while the refund is kept."""
+    start = time.time()
+    for node in ctx.redis.masters():
+        node.cli("acl", "setuser", "default", "-eval", "-evalsha")
+    time.sleep(1.5)
+    for node in ctx.redis.masters():
+        node.cli("acl", "setuser", "default", "+eval", "+evalsha")
+    return {"fault": "ledger-refused", "start": start, "end": time.time(),
+            "note": "EVAL/EVALSHA refused 1.5 s, plain commands served"}
+
+
 def upstream_5xx(ctx: Context) -> dict[str, Any]:
     """A storm of 500s: the next 20 LLM calls fail."""
     start = time.time()
@@ -194,9 +210,10 @@ FAULTS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "upstream-latency": upstream_latency,
     "upstream-5xx": upstream_5xx,
     "upstream-429": upstream_429,
+    "ledger-refused": ledger_refused,
     "failover": failover,
 }
 #: When each fault fires, as a fraction of the run.
 SCHEDULE = {"redis-restart": 0.08, "script-flush": 0.2, "redis-slow": 0.25,
             "upstream-5xx": 0.33, "upstream-429": 0.4, "upstream-latency": 0.5,
-            "kill-lease-holder": 0.55, "failover": 0.75}
+            "kill-lease-holder": 0.55, "ledger-refused": 0.65, "failover": 0.75}

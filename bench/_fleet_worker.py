@@ -5,6 +5,15 @@ HTTP client are reused across invocations, as in Lambda) and calls their Mangum 
 one at a time with API Gateway payload-v2 events. Every invocation is written to a JSONL
 file as two lines: ``start`` before the handler runs and ``end`` after it answered, each
 flushed at once, so a process killed mid-request leaves its in-flight request on record.
+
+Client retries across environments: a request with an ``Idempotency-Key`` answered 503
+(``limiter_unavailable`` during a Redis fault, or ``provider_busy``) is put on a queue
+shared by every process, and another process (another environment) sends it again, with
+the same key, once its Retry-After has passed, as a client does; up to ``MAX_RETRIES``
+times while it keeps getting 503. Its record names the process that got the 503
+(``retry_of``). Half the time the process that got the 503 then stays idle for
+``IDLE_AFTER_503_S``, as a Lambda environment often does between invocations: its
+refunds kept during the fault stay pending while the client's retry is served elsewhere.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import queue
 import random
 import sys
 import time
@@ -34,6 +44,10 @@ ROUTES: dict[str, tuple[str, str, str, int]] = {
 #: Mix of routes, by weight: mostly the cheap ones.
 WEIGHTS = {"structured": 30, "embeddings": 25, "salary": 18, "job_extraction": 8,
            "company_research": 5, "market_context": 6, "usage": 8}
+#: How many times a client sends a keyed request again after a 503 (each time elsewhere).
+MAX_RETRIES = 3
+#: How long an environment that answered a keyed 503 may then stay idle (half the time), s.
+IDLE_AFTER_503_S = 2.5
 #: What company_research / market_context settle to when they found nothing.
 SEARCH_ONLY_COST = 5
 NO_DATA_COST = 2
@@ -103,8 +117,12 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int
          users: list[str], timeout_s: float, idem_fraction: float = 0.2,
          repeat_fraction: float = 0.35, only: str | None = None,
          lease_s: float | None = None, think_s: float = 0.01,
-         start_at: float = 0.0) -> None:
-    """Invoke handlers until ``stop_at`` (epoch seconds); ``only`` pins one route, once."""
+         start_at: float = 0.0, retries: Any = None) -> None:
+    """Invoke handlers until ``stop_at`` (epoch seconds); ``only`` pins one route, once.
+
+    ``retries`` is the multiprocessing queue of keyed requests that got a 503 somewhere:
+    this process sends those of other processes again (see the module docstring).
+    """
     # The emulator and Redis stand in for servers with CPUs of their own. On a small host
     # the Lambda processes yield to them, so arrivals are stamped when they arrive rather
     # than when a starved emulator gets around to them.
@@ -121,7 +139,10 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int
         while time.time() < stop_at:
             n += 1
             key: str | None = None
-            if only is not None:
+            retry_of = _take_retry(retries, wid)
+            if retry_of is not None:
+                user, key, route, req, origin, _, attempt = retry_of  # another's 503
+            elif only is not None:
                 route, user, req = only, users[0], request_for(only, rng)
             elif used_keys and rng.random() < idem_fraction * repeat_fraction:
                 user, key, route, req = rng.choice(used_keys)  # a deliberate repeat
@@ -139,7 +160,8 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int
             event = http_event(method, path, body=req.get("body"), query=req.get("query"),
                                headers=headers, user=user, request_id=gateway_id)
             record: dict[str, Any] = {"w": wid, "pid": os.getpid(), "user": user, "route": route,
-                                      "rid": rid, "cost": cost, "timeout": timeout_s}
+                                      "rid": rid, "cost": cost, "timeout": timeout_s,
+                                      "retry_of": origin if retry_of is not None else None}
             t0 = time.time()
             out.write(json.dumps({"kind": "start", "t0": t0, **record}) + "\n")
             try:
@@ -158,7 +180,30 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: float, seed: int
                 "replayed": replayed,
                 "charged": 0 if replayed else expected_charge(route, status, body),
                 **record}) + "\n")
+            tries = 0 if retry_of is None else attempt
+            if retries is not None and key is not None and status == 503 \
+                    and tries < MAX_RETRIES:
+                # the client will send it again after Retry-After, and another environment
+                # will serve it
+                wait_s = float(hdrs.get("retry-after", "1") or 1)
+                retries.put((user, key, route, req, wid, t1 + wait_s, tries + 1))
+                if rng.random() < 0.5:  # no invocation for a while: kept refunds wait
+                    time.sleep(max(0.0, min(IDLE_AFTER_503_S, stop_at - time.time())))
             if only is not None:
                 return
             if think_s:
                 time.sleep(rng.uniform(0, think_s))
+
+
+def _take_retry(retries: Any, wid: str) -> tuple[Any, ...] | None:
+    """A keyed request that got a 503 in another process, to send again here, or None."""
+    if retries is None:
+        return None
+    try:
+        item = retries.get_nowait()
+    except queue.Empty:
+        return None
+    if item[4] == wid or time.time() < item[5]:  # ours, or its Retry-After not yet over
+        retries.put(item)
+        return None
+    return tuple(item)

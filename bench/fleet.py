@@ -44,7 +44,7 @@ FAILURE_RATE = 0.05
 #: eight first requests at once on two cores hold each other up past any jitter allowance.
 STAGGER_S = 0.25
 CHEAP_FAULTS = ["redis-restart", "script-flush", "redis-slow", "upstream-5xx", "upstream-429",
-                "kill-lease-holder", "upstream-latency"]
+                "kill-lease-holder", "upstream-latency", "ledger-refused"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if unknown:
             ap.error(f"unknown fault(s): {', '.join(sorted(unknown))}")
     if args.redis_url:
-        own_redis = {"redis-restart", "script-flush", "redis-slow", "failover"}
+        own_redis = {"redis-restart", "script-flush", "redis-slow", "failover",
+                     "ledger-refused"}
         if args.faults == "all":
             chosen = [f for f in chosen if f not in own_redis]
         elif own_redis & set(chosen):
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctx = faults.Context(redis=redis, emulator=emu, env=env, out_dir=str(out),
                              timeout_s=args.lambda_timeout, lease_s=lease_s)
         spawn = multiprocessing.get_context("spawn")
+        retries = spawn.Queue()  # keyed requests answered 503, retried by another process
         warmup_s = 4.0 + 1.0 * args.processes  # imports of every function, on 2 cores
         t_start = time.time() + warmup_s
         stop_at = t_start + args.duration
@@ -149,7 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         procs = [spawn.Process(target=worker.main, name=f"fleet-{i}", args=(
             f"w{i}", env, str(out / f"records-w{i}.jsonl"), stop_at, args.seed * 1000 + i,
             users, args.lambda_timeout), kwargs={"lease_s": lease_s,
-                                                 "start_at": t_start + i * STAGGER_S})
+                                                 "start_at": t_start + i * STAGGER_S,
+                                                 "retries": retries})
             for i in range(args.processes)]
         for p in procs:
             p.start()
@@ -201,11 +204,12 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
         "overspend": check.check_overspend(ledger, plan),
         "ledger": check.check_ledger(ledger, ends, in_flight, [
             (f["start"], f["end"]) for f in done
-            if f["fault"] in ("redis-restart", "redis-slow", "failover")]),
+            if f["fault"] in ("redis-restart", "redis-slow", "failover", "ledger-refused")]),
         "providers": check.check_providers(stats, limits, ctx.injected_429),
         "deadlines": check.check_deadlines(ends),
         "faults": check.fault_costs(done, ends),
         "routes": check.summary_by_route(ends),
+        "client_retries": _count(str(r["status"]) for r in ends if r.get("retry_of")),
         "after_run": later,
         "in_flight_at_end": len(in_flight),
     }
@@ -242,7 +246,9 @@ def table(result: dict[str, Any]) -> str:
             + ", ".join(f"{k} {v}" for k, v in cfg["providers"].items())
             + f", search concurrency {cfg['search_concurrency']}, Lambda timeout "
             f"{cfg['lambda_timeout_s']:g} s, upstream failure rate {cfg['failure_rate']:.0%}",
-            f"Invocations: {result['invocations']}  by status: {result['status']}", "",
+            f"Invocations: {result['invocations']}  by status: {result['status']}",
+            "Keyed requests answered 503 and retried from another environment, by status of "
+            f"the retry: {result['client_retries'] or 'none'}", "",
             "| invariant | result | detail |", "|---|---|---|"]
 
     def mark(ok: bool) -> str:

@@ -31,7 +31,7 @@ class WindowOut(BaseModel):
     window_s: int = Field(description="Length of the sliding window in seconds.")
     resets_at: float | None = Field(
         description="Unix time when the oldest charge in the window leaves it, giving its "
-                    "tokens back (null when nothing is spent).")
+                    "tokens back; null when the window holds no charge (nothing to wait for).")
 
 
 class SpendEventOut(BaseModel):

@@ -34,8 +34,8 @@ async def test_unreachable_redis_raises_limiter_unavailable(call: str, uid: str)
     r = client(free_port(), 0.5)
     budget = TokenBudget(r, [Window(10, 60)])
     calls = {"reserve": lambda: budget.reserve(uid, "a", 1),
-             "refund": lambda: budget.refund(uid, "a"),
-             "settle": lambda: budget.settle(uid, "a", 0),
+             "refund": lambda: budget.refund(uid, "a", nonce="n"),
+             "settle": lambda: budget.settle(uid, "a", 0, nonce="n"),
              "usage": lambda: budget.usage(uid)}
     try:
         with pytest.raises(LimiterUnavailable) as info:

@@ -67,7 +67,7 @@ async def test_a_resent_call_reports_its_own_success(redis_client, uid) -> None:
     budget = TokenBudget(redis_client, [Window(10, 60)])
     keys, args = budget._reserve_call(uid, "req", 4, "/v1/x", budget.windows, T0, "0badcafe")
     replies = [await script("budget_reserve")(redis_client, keys, args) for _ in range(2)]
-    sent, resent = (_decode_reservation(r, 4, budget.windows) for r in replies)
+    sent, resent = (_decode_reservation(r, 4, budget.windows, "0badcafe") for r in replies)
     assert sent.allowed and not sent.duplicate
     assert resent.allowed and not resent.duplicate and resent.remaining == 6
     other = await budget.reserve(uid, "req", 4, now_ms=T0)  # a new call: a fresh nonce
@@ -88,11 +88,11 @@ async def test_same_request_id_of_two_users_is_two_charges(redis_client, uid) ->
 async def test_refund_gives_back_once(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
     """A refund removes the charge once; refunding again or an unknown id returns False."""
     budget = TokenBudget(redis_client, [Window(10, 60), Window(20, 3600)])
-    await budget.reserve(uid, "a", 4, now_ms=T0)
+    a = await budget.reserve(uid, "a", 4, now_ms=T0)
     await budget.reserve(uid, "b", 3, now_ms=T0)
-    assert await budget.refund(uid, "a") is True
-    assert await budget.refund(uid, "a") is False
-    assert await budget.refund(uid, "never-charged") is False
+    assert await budget.refund(uid, "a", nonce=a.nonce) is True
+    assert await budget.refund(uid, "a", nonce=a.nonce) is False
+    assert await budget.refund(uid, "never-charged", nonce=a.nonce) is False
     assert await used(budget, uid, T0) == [3, 3]
     assert [e.request_id for e in (await budget.usage(uid, now_ms=T0)).events] == ["b"]
 
@@ -100,9 +100,9 @@ async def test_refund_gives_back_once(redis_client, uid) -> None:  # type: ignor
 async def test_refund_of_another_users_id_does_nothing(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
     """A refund only looks in the caller's own keys."""
     budget = TokenBudget(redis_client, [Window(10, 60)])
-    await budget.reserve(f"{uid}-a", "secret", 7, now_ms=T0)
-    assert await budget.refund(f"{uid}-b", "secret") is False
-    assert await budget.settle(f"{uid}-b", "secret", 0) is False
+    d = await budget.reserve(f"{uid}-a", "secret", 7, now_ms=T0)
+    assert await budget.refund(f"{uid}-b", "secret", nonce=d.nonce) is False
+    assert await budget.settle(f"{uid}-b", "secret", 0, nonce=d.nonce) is False
     assert await used(budget, f"{uid}-a", T0) == [7]
 
 
@@ -111,11 +111,11 @@ async def test_refund_after_leaving_a_window_gives_nothing_back_there(  # type: 
         redis_client, uid, advanced_before_refund) -> None:
     """A refund of a charge that left the short window only lowers the windows still counting it."""
     budget = TokenBudget(redis_client, [Window(20, 0.1), Window(50, 1)])
-    await budget.reserve(uid, "old", 3, now_ms=T0)
+    old = await budget.reserve(uid, "old", 3, now_ms=T0)
     await budget.reserve(uid, "new", 4, now_ms=T0 + 50)
     if advanced_before_refund:  # the ledger has already moved the short window past "old"
         assert await used(budget, uid, T0 + 120) == [4, 7]
-    assert await budget.refund(uid, "old") is True
+    assert await budget.refund(uid, "old", nonce=old.nonce) is True
     assert await used(budget, uid, T0 + 120) == [4, 4]
     assert await used(budget, uid, T0 + 200) == [0, 4]
 
@@ -123,18 +123,18 @@ async def test_refund_after_leaving_a_window_gives_nothing_back_there(  # type: 
 async def test_settle_lowers_never_raises_and_zero_removes(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
     """settle lowers a charge, refuses to raise it, and a cost of 0 removes the event."""
     budget = TokenBudget(redis_client, [Window(10, 60), Window(30, 3600)])
-    await budget.reserve(uid, "a", 8, now_ms=T0, route="/v1/structured")
-    assert await budget.settle(uid, "a", 3) is True
+    n = (await budget.reserve(uid, "a", 8, now_ms=T0, route="/v1/structured")).nonce
+    assert await budget.settle(uid, "a", 3, nonce=n) is True
     assert await used(budget, uid, T0) == [3, 3]
-    assert await budget.settle(uid, "a", 3) is False
-    assert await budget.settle(uid, "a", 9) is False
+    assert await budget.settle(uid, "a", 3, nonce=n) is False
+    assert await budget.settle(uid, "a", 9, nonce=n) is False
     events = (await budget.usage(uid, now_ms=T0)).events
     assert [(e.request_id, e.cost, e.route) for e in events] == [("a", 3, "/v1/structured")]
-    assert await budget.settle(uid, "a", 0) is True
+    assert await budget.settle(uid, "a", 0, nonce=n) is True
     assert await used(budget, uid, T0) == [0, 0]
     assert (await budget.usage(uid, now_ms=T0)).events == ()
-    assert await budget.settle(uid, "a", 0) is False
-    assert await budget.settle(uid, "unknown", 1) is False
+    assert await budget.settle(uid, "a", 0, nonce=n) is False
+    assert await budget.settle(uid, "unknown", 1, nonce=n) is False
 
 
 async def test_retry_after_is_exact(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
@@ -268,7 +268,7 @@ async def test_usage_of_an_unknown_user_is_empty_and_writes_nothing(redis_client
     """Asking about a user with no spend returns zeros and creates no key."""
     budget = TokenBudget(redis_client, [Window(10, 1)])
     u = await budget.usage(uid, now_ms=T0)
-    assert u.events == () and u.windows[0].used == 0 and u.windows[0].resets_at_ms == T0
+    assert u.events == () and u.windows[0].used == 0 and u.windows[0].resets_at_ms is None
     assert await redis_client.exists(*keys_of(uid)) == 0
 
 
@@ -289,11 +289,12 @@ async def test_a_new_window_starts_from_the_log(redis_client, uid) -> None:  # t
 async def test_script_cache_flush_is_recovered(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
     """After SCRIPT FLUSH the scripts are sent again in full and keep working."""
     budget = TokenBudget(redis_client, [Window(10, 60)])
-    assert (await budget.reserve(uid, "a", 2, now_ms=T0)).allowed
+    a = await budget.reserve(uid, "a", 2, now_ms=T0)
+    assert a.allowed
     await redis_client.script_flush()
     assert (await budget.reserve(uid, "b", 2, now_ms=T0)).allowed
     await redis_client.script_flush()
-    assert await budget.refund(uid, "a") is True
+    assert await budget.refund(uid, "a", nonce=a.nonce) is True
     await redis_client.script_flush()
     assert await used(budget, uid, T0) == [2]
 
@@ -304,3 +305,18 @@ def test_reservation_is_frozen() -> None:
                     limit=2, window_s=1.0, windows=())
     with pytest.raises(AttributeError):
         r.allowed = False  # type: ignore[misc]
+
+
+async def test_a_new_longest_window_forgets_what_left_every_window(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """A plan change to a window longer than any before deletes the events already older than
+    it: they are out of every window, so their ids may be charged again and no record stays."""
+    budget = TokenBudget(redis_client, [Window(10, 0.1)])
+    await budget.reserve(uid, "old", 4, now_ms=T0)
+    longer = [Window(30, 0.25), Window(60, 1)]
+    usage = await budget.usage(uid, windows=longer, now_ms=T0 + 1500)
+    assert [w.used for w in usage.windows] == [0, 0] and usage.events == ()
+    again = await budget.reserve(uid, "old", 4, windows=longer, now_ms=T0 + 1500)
+    assert again.allowed and not again.duplicate
+    assert [w.used for w in again.windows] == [4, 4]
+    log_key, ev_key, _ = keys_of(uid)
+    assert await redis_client.zcard(log_key) == 1 and await redis_client.hlen(ev_key) == 1

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 
+from tests.ledger_model import Model
 from usage_limits import TokenBudget, Window
 from usage_limits._scripts import script
 from usage_limits.keys import user_keys
@@ -14,67 +14,15 @@ from usage_limits.keys import user_keys
 T0 = 1_700_000_000_000
 
 
-@dataclass
-class Model:
-    """What the ledger should answer, computed the slow obvious way from every live event."""
-
-    plan: list[Window]
-    clk: int = 0
-    events: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # id -> (at, cost, route)
-
-    def tick(self, now_ms: int) -> int:
-        """Clamp the clock and forget events older than the longest window (as the ledger does)."""
-        self.clk = max(self.clk, now_ms)
-        cut = self.clk - max(w.ms for w in self.plan)
-        self.events = {k: v for k, v in self.events.items() if v[0] > cut}
-        return self.clk
-
-    def inside(self, w: Window) -> list[tuple[int, int]]:
-        return sorted((at, cost) for at, cost, _ in self.events.values() if at > self.clk - w.ms)
-
-    def used(self, w: Window) -> int:
-        return sum(cost for _, cost in self.inside(w))
-
-    def resets_at(self, w: Window) -> int:
-        inside = self.inside(w)
-        return inside[0][0] + w.ms if inside else self.clk
-
-    def wait_ms(self, w: Window, cost: int) -> int:
-        need, freed = self.used(w) + cost - w.limit, 0
-        for at, c in self.inside(w):
-            freed += c
-            if freed >= need:
-                return at + w.ms - self.clk
-        raise AssertionError("a cost within the limit always fits eventually")
-
-    def reserve(self, rid: str, cost: int, route: str, now_ms: int) -> tuple[bool, bool, int]:
-        self.tick(now_ms)
-        if rid in self.events:
-            return True, True, 0
-        waits = [self.wait_ms(w, cost) for w in self.plan if self.used(w) + cost > w.limit]
-        if waits:
-            return False, False, max(waits)
-        self.events[rid] = (self.clk, cost, route)
-        return True, False, 0
-
-    def settle(self, rid: str, new_cost: int) -> bool:
-        if rid not in self.events or (new_cost >= self.events[rid][1]):
-            return False
-        at, _, route = self.events.pop(rid)
-        if new_cost:
-            self.events[rid] = (at, new_cost, route)
-        return True
-
-
-async def check_usage(budget: TokenBudget, model: Model, user: str, now_ms: int) -> None:
-    usage = await budget.usage(user, now_ms=now_ms, events=1000)
-    model.tick(now_ms)
-    assert usage.now_ms == model.clk
-    assert [(w.used, w.resets_at_ms) for w in usage.windows] == [
-        (model.used(w), model.resets_at(w)) for w in model.plan]
-    expected = sorted(model.events.items(), key=lambda kv: (kv[1][0], kv[0]), reverse=True)
-    assert [(e.request_id, e.at_ms, e.cost, e.route) for e in usage.events] == [
-        (rid, at, cost, route) for rid, (at, cost, route) in expected]
+async def check_usage(budget: TokenBudget, model: Model, plan: list[Window], user: str,
+                      now_ms: int) -> None:
+    """The ledger's usage equals the model's: clock, every window and every event."""
+    usage = await budget.usage(user, windows=plan, now_ms=now_ms, events=1000)
+    clock, windows, events = model.usage(now_ms, plan)
+    assert usage.now_ms == clock
+    assert [(w.used, w.remaining, w.resets_at_ms) for w in usage.windows] == [
+        (w.used, w.remaining, w.resets_at_ms) for w in windows]
+    assert [(e.request_id, e.at_ms, e.cost, e.route) for e in usage.events] == events
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -83,41 +31,49 @@ async def test_totals_match_a_model_under_random_operations(redis_client, uid, s
     rng = random.Random(seed)
     plan = [Window(limit=20, seconds=0.1), Window(limit=45, seconds=0.4)]
     budget = TokenBudget(redis_client, plan)
-    model = Model(plan)
+    model = Model()
     now, ids = T0, []
+    nonces: dict[str, str] = {}
     for step in range(300):
         op = rng.random()
         live = sorted(model.events)
         known = (rng.choice(live) if live and rng.random() < 0.7
                  else rng.choice(ids) if ids else "none")
+        nonce = nonces.get(known, "n")
         if op < 0.45:
             rid = known if rng.random() < 0.15 else f"r{step}"
             ids.append(rid)
             cost, route = rng.randint(1, 8), rng.choice(["", "/v1/structured", "GET /v1/salary"])
             d = await budget.reserve(uid, rid, cost, route=route, now_ms=now)
-            allowed, duplicate, wait = model.reserve(rid, cost, route, now)
+            want = model.reserve(rid, cost, route, d.nonce, now, plan)
+            if d.allowed and not d.duplicate:
+                nonces[rid] = d.nonce
             assert (d.allowed, d.duplicate, round(d.retry_after_s * 1000)) == (
-                allowed, duplicate, wait), step
-            assert [w.used for w in d.windows] == [model.used(w) for w in plan], step
+                want.allowed, want.duplicate, want.retry_after_ms), step
+            assert [w.used for w in d.windows] == [w.used for w in want.windows], step
         elif op < 0.6:
-            assert await budget.refund(uid, known) == model.settle(known, 0), step
+            assert await budget.refund(uid, known, nonce=nonce) == model.lower(known, 0, nonce)
         elif op < 0.75:
             new_cost = rng.randint(0, 8)
-            assert await budget.settle(uid, known, new_cost) == model.settle(known, new_cost)
+            assert await budget.settle(uid, known, new_cost, nonce=nonce) == model.lower(
+                known, new_cost, nonce), step
         elif op < 0.93:
             now += rng.randint(0, 80)
         elif op < 0.95:  # a pause longer than some or all windows
             now += rng.randint(100, 600)
         else:  # a caller whose clock lags behind: the ledger keeps its own newest time
-            await check_usage(budget, model, uid, now - rng.randint(1, 300))
-        await check_usage(budget, model, uid, now)
+            await check_usage(budget, model, plan, uid, now - rng.randint(1, 300))
+        await check_usage(budget, model, plan, uid, now)
 
 
-async def fill(client, budget: TokenBudget, user: str, n: int, start_ms: int, step_ms: int) -> None:  # type: ignore[no-untyped-def]
-    """Charge n events of cost 1, step_ms apart, through the real script in one pipeline."""
+async def fill(client, budget: TokenBudget, user: str, n: int, start_ms: int, step_ms: int,  # type: ignore[no-untyped-def]
+               cost_from: int = 0, cost: int = 1) -> None:
+    """Charge n events step_ms apart through the real script in one pipeline: each costs 1,
+    except that those from index ``cost_from`` on cost ``cost`` when given."""
     reserve = script("budget_reserve")
-    calls = [budget._reserve_call(user, f"{i:016d}", 1, "/v1/structured", budget.windows,
-                                  start_ms + i * step_ms, "00000000") for i in range(n)]
+    calls = [budget._reserve_call(user, f"{i:016d}", cost if cost_from and i >= cost_from else 1,
+                                  "/v1/structured", budget.windows, start_ms + i * step_ms,
+                                  "00000000") for i in range(n)]
     await reserve(client, *calls[0])  # loads the script
     pipe = client.pipeline(transaction=False)
     for keys, args in calls[1:]:
@@ -147,7 +103,7 @@ async def test_calls_stay_small_with_twenty_thousand_events(standalone_client, u
     assert not d.allowed and d.windows[0].used == n
     assert d.retry_after_s * 1000 == T0 + 7 * step + 86_400_000 - now
     assert work <= 16  # HGETALL, ZCOUNTs, one walk batch, ZSCORE, HSET, PEXPIREs: no scan
-    await budget.refund(uid, "0000000000000000")
+    await budget.refund(uid, "0000000000000000", nonce="00000000")
     work = await commands_of_one_call(standalone_client, budget.reserve(uid, "y", 1, now_ms=now))
     assert work <= 16
     assert (await budget.usage(uid, now_ms=now, events=0)).windows[0].used == n
@@ -168,3 +124,36 @@ async def test_many_expired_events_are_subtracted_in_batches(standalone_client, 
     assert [w.used for w in usage.windows] == [0, n - 4_001]
     assert await standalone_client.zcard(log_key) == n - 4_001
     assert await standalone_client.hlen(user_keys(uid, "ev")[0]) == n - 4_001
+
+
+async def test_retry_after_is_exact_past_a_thousand_events(standalone_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """With 5,000 charges of 1 in a 5000/1h window, a cost of 2,000 waits exactly for the
+    2,000th oldest charge to leave, not for the window to empty."""
+    n, step = 5_000, 700
+    budget = TokenBudget(standalone_client, [Window(limit=n, seconds=3_600)])
+    await fill(standalone_client, budget, uid, n, T0, step)
+    now = T0 + n * step
+    d = await budget.reserve(uid, "big", 2_000, now_ms=now)
+    assert not d.allowed
+    assert d.retry_after_s * 1000 == T0 + 1_999 * step + 3_600_000 - now  # 1499.3 s
+
+
+@pytest.mark.parametrize("tail_cost", [1, 3])
+async def test_retry_after_past_the_walk_bound_is_never_early(standalone_client, uid,  # type: ignore[no-untyped-def]
+                                                              tail_cost) -> None:
+    """Past 10,000 events walked (a limit lowered far below the spend), Retry-After counts
+    every unread event as 1 token: exact when they cost 1, later (never earlier) otherwise."""
+    n, step, walk = 12_000, 100, 10_000
+    budget = TokenBudget(standalone_client, [Window(limit=100_000, seconds=3_600)])
+    await fill(standalone_client, budget, uid, n, T0, step, cost_from=walk, cost=tail_cost)
+    now = T0 + n * step
+    lowered = [Window(limit=1_000, seconds=3_600)]
+    d = await budget.reserve(uid, "x", 1, windows=lowered, now_ms=now)
+    total = walk + (n - walk) * tail_cost
+    need = total + 1 - 1_000
+    answer = d.retry_after_s * 1000
+    bound_rank = min(walk + (need - walk) - 1, n - 1)  # as if unread events cost 1 (or the newest)
+    assert answer == T0 + bound_rank * step + 3_600_000 - now
+    exact_rank = walk + -(-(need - walk) // tail_cost) - 1  # first rank freeing `need`
+    assert answer >= T0 + exact_rank * step + 3_600_000 - now
+    assert (answer == T0 + exact_rank * step + 3_600_000 - now) == (tail_cost == 1)

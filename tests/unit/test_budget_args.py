@@ -90,9 +90,12 @@ async def test_cost_above_a_window_limit_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize("call", [
-    lambda b: b.refund("", "r"), lambda b: b.refund("u", ""), lambda b: b.refund("u", "\t"),
-    lambda b: b.settle("u", "r", -1), lambda b: b.settle("u", "r", 1.5),
-    lambda b: b.settle("u", "", 1),
+    lambda b: b.refund("", "r", nonce="n"), lambda b: b.refund("u", "", nonce="n"),
+    lambda b: b.refund("u", "\t", nonce="n"), lambda b: b.refund("u", "r", nonce=""),
+    lambda b: b.refund("u", "r", nonce="a b"), lambda b: b.refund("u", "r", nonce=7),
+    lambda b: b.settle("u", "r", -1, nonce="n"), lambda b: b.settle("u", "r", 1.5, nonce="n"),
+    lambda b: b.settle("u", "", 1, nonce="n"), lambda b: b.settle("u", "r", 1, nonce="x" * 65),
+    lambda b: b.reserve("u", "r", 1, nonce="a b"),
     lambda b: b.usage(""), lambda b: b.usage("u", events=-1), lambda b: b.usage("u", events=1001),
     lambda b: b.usage("u", windows=[Window(1, 1), Window(2, 1)]),
 ])
@@ -139,14 +142,14 @@ def test_shared_window_code_is_pasted_into_both_scripts() -> None:
 def test_reservation_decoding_picks_the_binding_window() -> None:
     """Admitted: the window with least room binds; rejected: the one with the longest wait."""
     plan = (Window(10, 1), Window(50, 60))
-    ok = _decode_reservation([1, 0, 0, 8, 5900, 45, 60_100], 3, plan)
+    ok = _decode_reservation([1, 0, 0, 8, 5900, 45, 60_100], 3, plan, "n")
     assert (ok.allowed, ok.duplicate, ok.remaining) == (True, False, 2)
     assert (ok.limit, ok.window_s) == (10, 1.0)
     assert ok.windows[1].remaining == 5 and ok.windows[1].resets_at == 60.1
-    no = _decode_reservation([0, 7_000, 2, 8, 5900, 49, 60_100], 3, plan)
+    no = _decode_reservation([0, 7_000, 2, 8, 5900, 49, 60_100], 3, plan, "n")
     assert (no.allowed, no.retry_after_s, no.limit, no.window_s) == (False, 7.0, 50, 60.0)
     assert no.remaining == 1
-    dup = _decode_reservation([2, 0, 0, 8, 5900, 45, 60_100], 3, plan)
+    dup = _decode_reservation([2, 0, 0, 8, 5900, 45, 60_100], 3, plan, "n")
     assert dup.allowed and dup.duplicate
 
 

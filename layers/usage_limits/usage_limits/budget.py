@@ -16,9 +16,13 @@ id is charged once, a refund removes it once, and ``settle`` may lower it afterw
 Things worth knowing:
 
 - Time is the caller's clock in ms, clamped per user so it never runs backwards (meta clk).
-- Each call draws a random nonce stored with the charge: when redis-py re-sends a
-  reservation whose reply was lost, the ledger recognises its own call and reports the
-  original success; a different call with the same id gets ``duplicate=True``.
+- Each reservation carries a random nonce (``new_nonce()``, or the caller's own) stored with
+  the charge: when redis-py re-sends a reservation whose reply was lost, the ledger
+  recognises its own call and reports the original success; a different call with the same
+  id gets ``duplicate=True``.
+- A refund or settle names the nonce of the reservation that made the charge, and lowers
+  only that charge: a refund kept for later, or one that runs twice, can never remove the
+  charge another call made under the same id since (a client's retry served elsewhere).
 - A refund or settle that is re-sent finds nothing left to lower and returns False.
 - A window a user never had (a plan change) is counted once from the log, which costs
   O(events in it) for that one call and cannot see events older than the windows kept so
@@ -36,7 +40,7 @@ Typical use::
     try:
         ...  # call the provider
     except Exception:
-        await budget.refund("alice", "req-1")
+        await budget.refund("alice", "req-1", nonce=d.nonce)
         raise
 """
 
@@ -68,6 +72,11 @@ MAX_TOKENS = 2**50
 MAX_WINDOW_S = 10 * 366 * 86400.0
 #: Default time every key outlives the longest window, seconds.
 DEFAULT_KEY_MARGIN_S = 60.0
+#: Longest nonce accepted, in characters (``new_nonce`` makes 16).
+MAX_NONCE_LENGTH = 64
+#: Random bytes in a nonce made by ``new_nonce``: two calls of one id collide with
+#: probability 2**-64.
+NONCE_BYTES = 8
 #: Default and largest number of spend events returned by ``usage``.
 DEFAULT_EVENTS = 50
 MAX_EVENTS = 1000
@@ -116,20 +125,20 @@ class WindowUsage:
         remaining: ``limit - used``, never below 0.
         window_s: the window's length, seconds.
         resets_at_ms: when the oldest counted charge leaves the window and ``remaining``
-            next grows, ms since the epoch on the ledger's clock; the current time when the
-            window is empty.
+            next grows, ms since the epoch on the ledger's clock; None when the window
+            holds no charge (nothing to wait for).
     """
 
     limit: int
     used: int
     remaining: int
     window_s: float
-    resets_at_ms: int
+    resets_at_ms: int | None
 
     @property
-    def resets_at(self) -> float:
-        """``resets_at_ms`` as seconds since the epoch."""
-        return self.resets_at_ms / 1000.0
+    def resets_at(self) -> float | None:
+        """``resets_at_ms`` as seconds since the epoch (None when the window is empty)."""
+        return None if self.resets_at_ms is None else self.resets_at_ms / 1000.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,7 @@ class Reservation:
             when allowed the window with the least remaining (the shortest one on a tie).
         window_s: length of the binding window, seconds.
         windows: every window of the plan, shortest first.
+        nonce: this call's nonce; ``refund`` and ``settle`` of the charge it made need it.
     """
 
     allowed: bool
@@ -158,6 +168,7 @@ class Reservation:
     limit: int
     window_s: float
     windows: tuple[WindowUsage, ...]
+    nonce: str = ""
 
 
 @dataclass(frozen=True)
@@ -217,7 +228,7 @@ class TokenBudget:
 
     async def reserve(self, user_id: str, request_id: str, cost: int, *, route: str = "",
                       windows: Sequence[Window] | None = None,
-                      now_ms: int | None = None) -> Reservation:
+                      now_ms: int | None = None, nonce: str | None = None) -> Reservation:
         """Charge ``cost`` tokens for ``request_id`` if it fits every window.
 
         Args:
@@ -227,10 +238,12 @@ class TokenBudget:
             route: recorded with the charge for the audit trail.
             windows: this user's plan; the budget's default plan when None.
             now_ms: the caller's clock, ms since the epoch; ``time.time()`` when None.
+            nonce: this call's nonce (``new_nonce()`` when None). A caller that may have to
+                refund a charge whose reply it never got draws it first and keeps it.
 
         Returns:
             A ``Reservation``; ``allowed`` is False when any window lacks room (nothing is
-            charged then).
+            charged then). ``nonce`` is this call's.
 
         Raises:
             InvalidArgument: a malformed argument (checked before Redis is touched).
@@ -238,39 +251,50 @@ class TokenBudget:
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
         plan = self.windows if windows is None else _plan(windows)
-        keys, args = self._reserve_call(user_id, request_id, cost, route, plan, now_ms,
-                                        secrets.token_hex(4))
+        nonce = new_nonce() if nonce is None else _check_nonce(nonce)
+        keys, args = self._reserve_call(user_id, request_id, cost, route, plan, now_ms, nonce)
         reply = await script("budget_reserve")(self.redis, keys, args)
-        return _decode_reservation(reply, cost, plan)
+        return _decode_reservation(reply, cost, plan, nonce)
 
-    async def refund(self, user_id: str, request_id: str) -> bool:
-        """Give back the whole charge of ``request_id``.
+    async def refund(self, user_id: str, request_id: str, *, nonce: str) -> bool:
+        """Give back the whole charge that the reservation with ``nonce`` made for ``request_id``.
 
         Each window that still counts the charge gets its tokens back; a window the charge
-        has already left gives nothing back.
+        has already left gives nothing back. A charge of the same id made by another call
+        (another nonce) is left alone.
+
+        Args:
+            nonce: the ``Reservation.nonce`` (or the nonce passed to ``reserve``) of the call
+                that made the charge.
 
         Returns:
-            True when a charge was removed; False when there was none (already refunded,
-            unknown or expired id). A repeated refund returns False.
+            True when a charge was removed; False when there was none of this caller
+            (already refunded, unknown or expired id, or another call's charge). A repeated
+            refund returns False.
 
         Raises:
-            InvalidArgument: a malformed user or request id.
+            InvalidArgument: a malformed user or request id or nonce.
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
         keys = _user_keys(user_id)
         _check_request_id(request_id)
-        return int(await script("budget_refund")(self.redis, keys, [request_id, 0])) == 1
+        args = [request_id, 0, _check_nonce(nonce)]
+        return int(await script("budget_refund")(self.redis, keys, args)) == 1
 
-    async def settle(self, user_id: str, request_id: str, actual_cost: int) -> bool:
-        """Lower the charge of ``request_id`` to ``actual_cost``; never raise it.
+    async def settle(self, user_id: str, request_id: str, actual_cost: int, *,
+                     nonce: str) -> bool:
+        """Lower the charge that the reservation with ``nonce`` made to ``actual_cost``.
+
+        Never raises a charge, and never touches another call's charge of the same id.
 
         Args:
             actual_cost: tokens really used (integer >= 0); 0 removes the charge.
+            nonce: the nonce of the reservation that made the charge.
 
         Returns:
             True when the charge was lowered (or removed); False when there was no charge
-            or ``actual_cost`` is not below it. Settling twice to the same cost returns
-            False the second time.
+            of this caller or ``actual_cost`` is not below it. Settling twice to the same
+            cost returns False the second time.
 
         Raises:
             InvalidArgument: a malformed argument.
@@ -280,8 +304,8 @@ class TokenBudget:
         _check_request_id(request_id)
         if not _is_int(actual_cost) or not 0 <= actual_cost <= MAX_TOKENS:
             raise InvalidArgument(f"actual_cost must be an integer >= 0, not {actual_cost!r}")
-        reply = await script("budget_refund")(self.redis, keys, [request_id, actual_cost])
-        return int(reply) == 1
+        args = [request_id, actual_cost, _check_nonce(nonce)]
+        return int(await script("budget_refund")(self.redis, keys, args)) == 1
 
     async def usage(self, user_id: str, *, windows: Sequence[Window] | None = None,
                     now_ms: int | None = None, events: int = DEFAULT_EVENTS) -> Usage:
@@ -326,6 +350,19 @@ class TokenBudget:
                 f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
                 cost=cost, limit=w.limit)
         return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail]
+
+
+def new_nonce() -> str:
+    """A fresh random nonce for one reservation (hex, no spaces)."""
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def _check_nonce(nonce: str) -> str:
+    if (not isinstance(nonce, str) or not 0 < len(nonce) <= MAX_NONCE_LENGTH
+            or not all("!" <= c <= "~" for c in nonce)):
+        raise InvalidArgument(
+            f"nonce must be 1..{MAX_NONCE_LENGTH} printable ASCII characters without spaces")
+    return nonce
 
 
 def _plan(windows: Sequence[Window]) -> tuple[Window, ...]:
@@ -381,12 +418,19 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _window(w: Window, used: int, resets_at_ms: int) -> WindowUsage:
+def _resets(value: Any) -> int | None:
+    """A script's resets_at_ms: -1 means the window holds no charge."""
+    at = int(value)
+    return None if at < 0 else at
+
+
+def _window(w: Window, used: int, resets_at_ms: int | None) -> WindowUsage:
     return WindowUsage(limit=w.limit, used=used, remaining=max(0, w.limit - used),
                        window_s=float(w.seconds), resets_at_ms=resets_at_ms)
 
 
-def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...]) -> Reservation:
+def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
+                        nonce: str) -> Reservation:
     """A ``Reservation`` from the reply of budget_reserve.lua (see its header)."""
     status = int(reply[0])
     states = []
@@ -394,19 +438,19 @@ def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...]) -
     for i, w in enumerate(plan):
         limit, used = w.limit, int(reply[3 + 2 * i])
         left = limit - used if used < limit else 0
-        states.append(WindowUsage(limit, used, left, float(w.seconds), int(reply[4 + 2 * i])))
+        states.append(WindowUsage(limit, used, left, float(w.seconds), _resets(reply[4 + 2 * i])))
         if least < 0 or left < least:
             least, tightest = left, w
     bind = plan[int(reply[2]) - 1] if status == _REJECTED else tightest
     return Reservation(status != _REJECTED, least, int(reply[1]) / 1000.0,
                        status == _DUPLICATE, cost, bind.limit, float(bind.seconds),
-                       tuple(states))
+                       tuple(states), nonce)
 
 
 def _decode_usage(reply: list[Any], plan: tuple[Window, ...]) -> Usage:
     """A ``Usage`` from the reply of budget_usage.lua (see its header)."""
     now = int(reply[0])
-    states = tuple(_window(w, int(reply[1 + 2 * i]), int(reply[2 + 2 * i]))
+    states = tuple(_window(w, int(reply[1 + 2 * i]), _resets(reply[2 + 2 * i]))
                    for i, w in enumerate(plan))
     events = []
     rest = reply[1 + 2 * len(plan):]

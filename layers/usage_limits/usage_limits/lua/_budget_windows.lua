@@ -99,12 +99,22 @@ end
 -- Bring every window the user has (and every window of this call) up to `now`, then drop the
 -- events older than the longest one. Returns the longest window, ms.
 local function advance(m, now, wanted)
+  local kept_longest = 0
+  for w in pairs(m.windows) do kept_longest = math.max(kept_longest, w) end
   for _, w in ipairs(wanted) do
     if not m.windows[w] then
       -- First use of this window by this user (a plan change): count what the log still
       -- holds, once. This one call costs O(events in the window); later calls do not.
-      local b = now - w
-      m.windows[w] = {total = sum_costs(ids_between(b, now)), lo = b}
+      if w > kept_longest then
+        -- Longer than every window kept so far: it takes over deleting what leaves the
+        -- log. The log holds only events of the shorter windows, so count all of it with
+        -- the cursor below every event: the loop below then subtracts and deletes those
+        -- already older than this window (they are out of every window).
+        m.windows[w] = {total = sum_costs(ids_between(-1, now)), lo = -1}
+      else
+        local b = now - w
+        m.windows[w] = {total = sum_costs(ids_between(b, now)), lo = b}
+      end
     end
   end
   -- Shortest first: the longest window deletes what leaves it, and after a long pause a
@@ -165,9 +175,10 @@ local function save_meta(m, now, longest)
   redis.call('PEXPIRE', meta_key, ttl)
 end
 
--- When the oldest event window w counts leaves it (now when it counts none); after save_meta.
-local function resets_at(m, now, w)
+-- When the oldest event window w counts leaves it (-1 when it counts none: nothing to wait
+-- for); after save_meta.
+local function resets_at(m, w)
   local first = m.windows[w].first
-  if first == NONE then return now end
+  if first == NONE then return -1 end
   return first + w
 end

@@ -22,6 +22,9 @@ ARGV[5]  route       route recorded with the charge (audit trail), may be empty
 ARGV[6]  margin_ms   keys live this long past the longest window, ms (integer >= 0)
 ARGV[7.. ] window_ms, limit pairs, shortest window first: window length in ms, limit in tokens
 
+Run twice with the same arguments (redis-py re-sends a call whose reply was lost): the second
+run finds the id charged with its own nonce and answers status 1 again, charging nothing.
+
 Returns {status, retry_after_ms, binding, then per ARGV window: used, resets_at_ms}
   status          1 charged (now, or by this very call before a client re-sent it);
                   2 duplicate: the id was charged by another call, nothing charged now;
@@ -30,8 +33,7 @@ Returns {status, retry_after_ms, binding, then per ARGV window: used, resets_at_
                   every failing window (the longest of their waits)
   binding         when rejected, the position (1-based) of the window with that wait; else 0
   used            tokens in the window after this call
-  resets_at_ms    when the oldest counted event leaves the window (the clock used, i.e.
-                  max(ARGV now_ms, clk), when it is empty)
+  resets_at_ms    when the oldest counted event leaves the window, ms; -1 when it is empty
 ]]
 local log_key = KEYS[1]
 local ev_key = KEYS[2]
@@ -51,19 +53,26 @@ end
 
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
 
--- Longest walk over a window's oldest events when computing a wait. Each event costs at
--- least 1 token, so a walk needs at most `cost` events while the total is within the limit;
--- past this many (a lowered limit), the answer is the safe "when the window is empty".
-local WALK = 16
-local MAX_WALK = 1024
+-- The wait is found by walking the window's oldest events until they free `need` tokens.
+-- Every event costs at least 1 token, so `need` tokens are freed within the `need` oldest
+-- events: each batch reads at most the events still possibly needed (need - freed, at most
+-- BATCH), so a small request reads few events and a large one walks in large batches.
+-- The walk is exact up to MAX_WALK events. Past that (a cost, or an excess over a lowered
+-- limit, of more than MAX_WALK tokens in events of a few tokens each) it stops reading
+-- costs and answers as if every unread event cost exactly 1 token: when the event at rank
+-- walked + (need - freed) leaves. Unread events cost at least 1, so the true wait is never
+-- later than that answer: it may be late, never early. This runs only on rejection.
+local MAX_WALK = 10000
 
 -- How long until enough of the oldest events leave window w to free `need` tokens, ms.
 -- An event scored s leaves the window at s + w exactly (cursors take scores <= now - w).
 local function wait_ms(now, w, need)
-  local first = count_upto(now - w)
-  local freed = 0
-  for start = first, first + MAX_WALK - 1, WALK do
-    local items = redis.call('ZRANGE', log_key, start, start + WALK - 1, 'WITHSCORES')
+  local start = count_upto(now - w)  -- rank of the oldest event the window counts
+  local freed, walked = 0, 0
+  while walked < MAX_WALK do
+    local size = math.min(need - freed, BATCH, MAX_WALK - walked)
+    local items = redis.call('ZRANGE', log_key, start + walked, start + walked + size - 1,
+                             'WITHSCORES')
     if #items == 0 then break end
     local ids, scores = {}, {}
     for i = 1, #items, 2 do
@@ -75,7 +84,17 @@ local function wait_ms(now, w, need)
       freed = freed + record_cost(recs[i])
       if freed >= need then return scores[i] + w - now end
     end
+    walked = walked + #ids
+    if #ids < size then break end
   end
+  if walked >= MAX_WALK then
+    -- the bound described above: the event that frees `need` if the rest cost 1 each
+    local bound = redis.call('ZRANGE', log_key, start + walked + need - freed - 1,
+                             start + walked + need - freed - 1, 'WITHSCORES')
+    if #bound > 0 then return math.max(1, tonumber(bound[2]) + w - now) end
+  end
+  -- defensive only (cost <= limit, so the window's events always free enough unless
+  -- records are missing): wait until the window is empty
   local newest = redis.call('ZRANGE', log_key, -1, -1, 'WITHSCORES')
   if #newest == 0 then return w end
   return math.max(1, tonumber(newest[2]) + w - now)
@@ -89,7 +108,7 @@ local function reply(status, retry, binding)
   local out = {status, retry, binding}
   for _, w in ipairs(call_windows) do
     out[#out + 1] = m.windows[w].total
-    out[#out + 1] = resets_at(m, now, w)
+    out[#out + 1] = resets_at(m, w)
   end
   return out
 end

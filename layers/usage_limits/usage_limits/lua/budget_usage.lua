@@ -3,6 +3,7 @@
 Moves every window's running total up to now exactly as budget_reserve.lua does (the code
 between the BEGIN/END lines is the same in both files; a unit test checks it), so reading
 usage also retires expired events. A user with no keys gets zeros and nothing is written.
+Run twice, the second run finds every window already at now and answers the same.
 
 KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
 KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)
@@ -17,7 +18,7 @@ Returns {now_ms, used_1, resets_at_ms_1, used_2, resets_at_ms_2, ...,
          then per event, most recent first: request_id, at_ms, record}
   now_ms        the clock used: max(ARGV now_ms, clk)
   used          tokens in the window now
-  resets_at_ms  when the oldest counted event leaves the window (now_ms when it is empty)
+  resets_at_ms  when the oldest counted event leaves the window, ms; -1 when it is empty
   at_ms         (string) the event's time, ms since the epoch
   record        (string) "<cost> <nonce> <route>", or false if the record is missing
 ]]
@@ -37,7 +38,7 @@ if redis.call('EXISTS', log_key, meta_key) == 0 then
   local out = {now_arg}
   for _ = 1, #call_windows do
     out[#out + 1] = 0
-    out[#out + 1] = now_arg
+    out[#out + 1] = -1
   end
   return out
 end
@@ -50,7 +51,7 @@ save_meta(m, now, longest)
 local out = {now}
 for _, w in ipairs(call_windows) do
   out[#out + 1] = m.windows[w].total
-  out[#out + 1] = resets_at(m, now, w)
+  out[#out + 1] = resets_at(m, w)
 end
 if max_events > 0 then
   local items = redis.call('ZRANGE', log_key, 0, max_events - 1, 'REV', 'WITHSCORES')

@@ -57,6 +57,9 @@ COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
     409: _doc("idempotency_conflict: this Idempotency-Key was already used"),
+    422: _doc("invalid_request: the body failed validation; or cost_exceeds_plan: the "
+              "request costs more than a window of the plan allows (cost, limit, window_s "
+              "in the body), so it can never be served: do not retry"),
     429: _doc("budget_exceeded: the token budget is spent; see Retry-After"),
     502: _doc("provider_error: the upstream provider failed; tokens refunded"),
 }

@@ -8,6 +8,7 @@ the shape are defined once:
      ├── InvalidRequest        400 invalid_request (422 for body validation)
      ├── PayloadTooLarge       413 payload_too_large
      ├── IdempotencyConflict   409 idempotency_conflict
+     ├── CostExceedsPlan       422 cost_exceeds_plan      (cost, limit, window_s; never retry)
      ├── BudgetExceeded        429 budget_exceeded        (+ Retry-After)
      ├── ProviderBusyError     503 provider_busy          (+ Retry-After)
      ├── LimiterUnavailableError 503 limiter_unavailable
@@ -59,6 +60,16 @@ class PayloadTooLarge(ApiError):
 
 class IdempotencyConflict(ApiError):
     status, code = 409, "idempotency_conflict"
+
+
+class CostExceedsPlan(ApiError):
+    """The request costs more than a window of the caller's plan allows: it can never fit.
+
+    Not retryable, so there is no Retry-After; the body carries ``cost``, ``limit`` and
+    ``window_s`` (the first window whose limit is below the cost). Nothing was charged.
+    """
+
+    status, code = 422, "cost_exceeds_plan"
 
 
 class BudgetExceeded(ApiError):

@@ -26,17 +26,20 @@ no Redis call. A cost may also be computed from the validated request (``web.cos
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
+from ..budget import new_nonce
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
 from . import identity, refunds, runtime
 from . import observability as obs
+from .charge import Charge
 from .costs import Cost, price
 from .errors import (
     BudgetExceeded,
+    CostExceedsPlan,
     IdempotencyConflict,
     LimiterUnavailableError,
     retry_after_header,
@@ -44,43 +47,11 @@ from .errors import (
 from .settings import settings
 
 if TYPE_CHECKING:
-    from ..budget import Reservation, TokenBudget, WindowUsage
+    from ..budget import Reservation, WindowUsage
 
 STATE_KEY = "usage_limits"
 #: Attribute of a route class that reserves after validation (``metering.MeteredRoute``).
 METERED_ROUTE = "reserves_after_validation"
-
-
-@dataclass
-class Charge:
-    """Tokens held for one request: refunded by the middleware unless the request succeeds.
-
-    Attributes:
-        user_id: whose budget was charged.
-        request_id: the id the charge is tied to.
-        cost: tokens currently charged (lowered by ``settle``).
-        reservation: the ledger's answer at reservation time (None when Redis never
-            answered the reservation).
-    """
-
-    budget: TokenBudget = field(repr=False)
-    user_id: str
-    request_id: str
-    cost: int
-    reservation: Reservation | None = field(repr=False)
-
-    async def settle(self, actual_cost: int) -> None:
-        """Lower the charge to ``actual_cost`` (never raises it)."""
-        if actual_cost < self.cost:
-            await self.budget.settle(self.user_id, self.request_id, actual_cost=actual_cost)
-            obs.count(obs.TOKENS_SETTLED, self.cost - actual_cost)
-            self.cost = actual_cost
-
-    async def refund(self) -> bool:
-        """Give the tokens back; True when a charge was removed."""
-        refunded = await self.budget.refund(self.user_id, self.request_id)
-        self.cost = 0
-        return bool(refunded)
 
 
 @dataclass
@@ -158,7 +129,7 @@ def require_tokens(
         state = request_state(request)
         user = current_user(request)
         state.pending = Charge(runtime.get_budget(settings().plan), user,
-                               identity.request_id(request), 0, None)
+                               identity.request_id(request), 0, nonce="")
 
         async def meter(arguments: dict[str, Any]) -> Charge:
             if isinstance(declared, int):
@@ -181,23 +152,25 @@ def require_tokens(
         user, rid, budget = charge.user_id, charge.request_id, charge.budget
         plan = settings().plan
         name = route or _route_path(request)
+        nonce = new_nonce()
         try:
-            reservation = await budget.reserve(user, rid, cost=cost, route=name)
+            reservation = await budget.reserve(user, rid, cost=cost, route=name, nonce=nonce)
         except LimiterUnavailable as exc:
             # Redis may have made the charge and lost only its reply (a kill or a timeout
-            # after the script ran): refund it later, when Redis answers again. A refund of
-            # a charge that was never made removes nothing.
-            refunds.keep(Charge(budget, user, rid, cost, None),
+            # after the script ran): refund it later, when Redis answers again. The refund
+            # carries this call's nonce, so it removes that charge or nothing: never the
+            # charge of a retry that another environment served under the same id.
+            refunds.keep(Charge(budget, user, rid, cost, nonce),
                          max(seconds for _, seconds in plan))
             raise LimiterUnavailableError(
                 "the usage limiter is unavailable; nothing was charged",
                 headers=retry_after_header(1)) from exc
         except CostExceedsLimit as exc:
             window_s = next((s for limit, s in plan if limit < cost), plan[-1][1])
-            raise BudgetExceeded(
-                f"this request costs {cost} tokens, more than your plan allows in a window",
-                headers=retry_after_header(window_s), retry_after_s=float(window_s),
-                limit=int(exc.limit), remaining=0, window_s=window_s, cost=cost) from exc
+            raise CostExceedsPlan(
+                f"this request costs {cost} tokens, more than your plan allows in a window "
+                f"of {window_s} s; it can never be served under this plan",
+                cost=cost, limit=int(exc.limit), window_s=window_s) from exc
         state.reservation = reservation
         if not reservation.allowed:
             obs.count(obs.BUDGET_REJECTED)
@@ -211,7 +184,7 @@ def require_tokens(
             raise IdempotencyConflict(
                 "this Idempotency-Key was already used for a request that was charged; "
                 "use a new key for a new request")
-        charge.cost, charge.reservation = cost, reservation
+        charge.cost, charge.nonce, charge.reservation = cost, nonce, reservation
         state.charge = charge
         obs.count(obs.TOKENS_RESERVED, cost)
         return state.charge

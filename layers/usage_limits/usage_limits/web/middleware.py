@@ -11,19 +11,23 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
    a 409 ``idempotency_conflict``);
 5. refunds the request's charge when it did not succeed: the route raised, or the
    response status is 4xx/5xx (a ``yield`` dependency sees raised exceptions but not a
-   5xx that a route returns, which is why this lives here);
+   5xx that a route returns, which is why this lives here). The refund may use the time
+   left before the deadline plus half the margin kept back for it; one that cannot finish
+   in that time (Redis slow or unreachable) is kept and retried before the next request,
+   so the invocation always ends before the Lambda is killed;
 6. turns any unhandled exception into the public 500 error body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..deadline import deadline_scope, request_budget_s
+from ..deadline import deadline_scope, remaining_s, request_budget_s
 from . import events, identity, refunds
 from . import idempotency as idem
 from . import observability as obs
@@ -115,14 +119,18 @@ class UsageLimitsMiddleware:
             charge = state.charge
             refunded = 0
             if charge is not None and (status >= 400 or status == 0):
+                cost = charge.cost
                 try:
-                    cost = charge.cost
-                    if await charge.refund():
-                        refunded = cost
-                        obs.count(obs.TOKENS_REFUNDED, cost)
+                    async with asyncio.timeout(refund_time_s()):
+                        removed = await charge.refund()
                 except Exception:  # the response is already out: retry before the next request
                     log.exception("refund failed; kept to retry before the next request")
+                    charge.cost = cost
                     refunds.keep(charge, max(seconds for _, seconds in settings().plan))
+                else:
+                    if removed:
+                        refunded = cost
+                        obs.count(obs.TOKENS_REFUNDED, cost)
             record = state.claimed
             if record is not None:
                 try:
@@ -151,6 +159,13 @@ def _route_key(scope: Scope) -> str | None:
         return key
     path = getattr(scope.get("route"), "path", None)
     return f"{scope.get('method')} {path}" if isinstance(path, str) else None
+
+
+def refund_time_s() -> float:
+    """How long a failed request's refund may take: the time left before the request's
+    deadline plus half the margin kept back after it (the other half is for the
+    idempotency record and the log line)."""
+    return remaining_s() + settings().deadline_margin_s / 2
 
 
 def _idempotency_record(scope: Scope, body: bytes) -> dict[str, Any] | None:
@@ -220,7 +235,8 @@ def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes
     """IETF ``RateLimit-Policy`` and ``RateLimit`` fields, one item per window, in tokens.
 
     When the request failed and its charge is about to be refunded, ``r`` already counts the
-    refund, so the client sees what it really has left.
+    refund, so the client sees what it really has left. ``t`` is 0 for a window that holds
+    nothing (after that refund).
     """
     reservation = state.reservation
     windows = reservation.windows if reservation is not None else state.windows
@@ -233,7 +249,11 @@ def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes
         label = _label(int(w.window_s))
         policies.append(f'"{label}";q={w.limit};w={int(w.window_s)}')
         remaining = min(w.limit, w.remaining + give_back)
-        reset = max(0, round(w.resets_at - now)) if w.resets_at else 0
+        # an empty window (nothing counted, or only this request's refunded charge) has
+        # nothing to wait for: t=0, as /v1/usage shows resets_at null
+        resets_at = w.resets_at
+        empty = resets_at is None or w.used <= give_back
+        reset = 0 if resets_at is None or empty else max(0, round(resets_at - now))
         limits.append(f'"{label}";r={remaining};t={reset}')
     return [(b"ratelimit-policy", ", ".join(policies).encode()),
             (b"ratelimit", ", ".join(limits).encode())]

@@ -4,17 +4,22 @@ A refund needs Redis. When Redis is down or too slow at the moment a request fai
 response still goes out (fail closed for new work), and the refund is kept here, in the
 execution environment, and tried again before the next request this environment serves.
 The same happens when a reservation got no answer: Redis may have made the charge and lost
-only its reply, and a refund of a charge that was never made removes nothing.
+only its reply.
 Environments are reused for many invocations, so most such refunds land within seconds
 of Redis coming back; one whose environment is never reused is lost (and logged).
 
-A refund is kept only while the charge it removes can still be the same charge: a request
-id can be charged again only after its first charge has left the longest window, so
-pending refunds older than that are dropped rather than tried.
+A kept refund can run long after its request, when the same request id may have been
+charged again: the client retried with the same ``Idempotency-Key`` and another
+environment served it. The refund carries the nonce of the reservation that made (or may
+have made) its charge, and the ledger lowers a charge only when that nonce matches, so a
+kept refund removes its own charge or nothing. A refund of a charge that was never made
+removes nothing. A refund is kept at most as long as the longest window: by then its charge
+has left every window and there is nothing left to give back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +27,7 @@ from typing import TYPE_CHECKING
 from . import observability as obs
 
 if TYPE_CHECKING:
-    from .guard import Charge
+    from .charge import Charge
 
 #: Pending refunds kept per execution environment; beyond that the oldest are dropped.
 MAX_PENDING = 1000
@@ -58,13 +63,21 @@ def pending() -> int:
     return len(_pending)
 
 
-async def retry() -> int:
-    """Try the pending refunds (oldest first, within ``RETRY_BUDGET_S``); how many landed."""
+async def retry(budget_s: float = RETRY_BUDGET_S) -> int:
+    """Try the pending refunds, oldest first, within ``budget_s`` seconds in all.
+
+    A refund that fails or runs out of time stays pending, and the next one is tried while
+    time is left: one refund that keeps failing holds up none of the others.
+
+    Returns:
+        How many refunds removed a charge.
+    """
     if not _pending:
         return 0
-    started, landed = time.monotonic(), 0
+    end, landed = time.monotonic() + budget_s, 0
     for item in list(_pending):
-        if time.monotonic() - started > RETRY_BUDGET_S:
+        left = end - time.monotonic()
+        if left <= 0:
             break
         if time.monotonic() > item.keep_until:
             _pending.remove(item)
@@ -73,9 +86,12 @@ async def retry() -> int:
                 "request_id": item.charge.request_id})
             continue
         try:
-            removed = await item.charge.refund()
-        except Exception:
-            break  # Redis still unavailable: keep them all for the next request
+            async with asyncio.timeout(left):
+                removed = await item.charge.refund()
+        except Exception:  # Redis still unavailable or too slow (TimeoutError): keep it
+            obs.logger().warning("pending refund failed again; kept", extra={
+                "request_id": item.charge.request_id})
+            continue
         _pending.remove(item)
         if removed:  # False: the charge was never made (only its reply was lost) or is gone
             landed += 1

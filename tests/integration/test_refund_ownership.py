@@ -1,0 +1,163 @@
+"""A refund removes only the charge its own caller made, whenever it finally runs.
+
+Two execution environments serve the same user: environment 1 talks to Redis through a
+fault-injecting proxy, environment 2 directly. Each keeps its own pending refunds, as two
+Lambda environments do. The client retries with the same ``Idempotency-Key`` after a 503.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from fastapi import Depends
+from fastapi.responses import JSONResponse
+from mangum import Mangum
+
+from local.lambda_events import http_event, invoke, lambda_loop
+from local.redis_servers import RedisServer
+from tests.faultproxy import Fault, FaultProxy, script_sha
+from usage_limits._scripts import script
+from usage_limits.connection import redis_from_env
+from usage_limits.web import (
+    create_app,
+    current_user,
+    idempotency,
+    refunds,
+    require_tokens,
+    runtime,
+    settings,
+)
+from usage_limits.web.runtime import get_budget
+
+RESERVE = script_sha(script("budget_reserve").sha)
+REFUND = script_sha(script("budget_refund").sha)
+
+
+def build_app() -> Any:
+    app = create_app("refund ownership test")
+
+    @app.post("/ok", dependencies=[Depends(require_tokens(cost=5))])
+    async def ok() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.post("/fails", dependencies=[Depends(require_tokens(cost=5))])
+    async def fails() -> JSONResponse:
+        return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
+                            status_code=502)
+
+    @app.get("/used")
+    async def used(user: str = Depends(current_user)) -> dict[str, int]:
+        report = await get_budget(settings().plan).usage(user)
+        return {"used": report.windows[0].used}
+
+    return Mangum(app, lifespan="off")
+
+
+@dataclass
+class Environment:
+    """One execution environment: its own Redis client and its own pending refunds."""
+
+    client: Any
+    pending: list[Any] = field(default_factory=list)
+
+    def enter(self) -> None:
+        runtime.set_redis(self.client)
+        refunds._pending[:] = self.pending
+
+    def leave(self) -> None:
+        self.pending = list(refunds._pending)
+        refunds.clear()
+
+
+@dataclass
+class Fleet:
+    handler: Any
+    faulty: Environment
+    direct: Environment
+    proxy: FaultProxy
+    current: Environment | None = None
+
+    def call(self, env: Environment, method: str, path: str, **kwargs: Any) -> Any:
+        """Serve one request in ``env``."""
+        if self.current is not env:
+            if self.current is not None:
+                self.current.leave()
+            env.enter()
+            self.current = env
+        return invoke(self.handler, http_event(method, path, **kwargs))
+
+    def pending(self, env: Environment) -> int:
+        """How many refunds ``env`` keeps."""
+        return refunds.pending() if self.current is env else len(env.pending)
+
+    def used(self, user: str) -> int:
+        return int(self.call(self.direct, "GET", "/used", user=user).body["used"])
+
+
+@pytest.fixture
+def fleet(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
+          fault_proxy: FaultProxy) -> Iterator[Fleet]:
+    """Two environments of one function; the first reaches Redis through the fault proxy."""
+    monkeypatch.setenv("REDIS_URL", redis_server.url)
+    monkeypatch.setenv("ATTO_BUDGET", "20/1h")
+    monkeypatch.delenv("ATTO_ENV", raising=False)
+    settings.cache_clear()
+    idempotency.reset()
+    # as production configures it (connection.py): one retry, a short socket timeout
+    faulty = Environment(redis_from_env(url=fault_proxy.url, retries=1, socket_timeout_s=0.25))
+    direct = Environment(redis_from_env(url=redis_server.url, retries=1, socket_timeout_s=2.0))
+    with lambda_loop():
+        yield Fleet(build_app(), faulty, direct, fault_proxy)
+    runtime.set_redis(None)
+    settings.cache_clear()
+    idempotency.reset()
+    refunds.clear()
+
+
+def test_kept_refund_of_a_lost_reserve_spares_the_retry_served_elsewhere(fleet: Fleet) -> None:
+    """A refund kept after a reserve that never reached Redis leaves another call's charge."""
+    user, key = uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
+    fault = fleet.proxy.inject(Fault.DROP_COMMAND, match=RESERVE, times=2)  # and its re-send
+    first = fleet.call(fleet.faulty, "POST", "/ok", body={}, user=user, headers=key)
+    assert first.status == 503 and first.body["error"]["code"] == "limiter_unavailable"
+    assert fault.hits == 2 and fleet.used(user) == 0
+    retried = fleet.call(fleet.direct, "POST", "/ok", body={}, user=user, headers=key)
+    assert retried.status == 200 and fleet.used(user) == 5
+    # environment 1's next request (another user) runs its kept refund first
+    fleet.call(fleet.faulty, "POST", "/ok", body={}, user=uuid.uuid4().hex)
+    assert fleet.pending(fleet.faulty) == 0
+    assert fleet.used(user) == 5  # the successful retry stays charged
+    replay = fleet.call(fleet.direct, "POST", "/ok", body={}, user=user, headers=key)
+    assert replay.status == 200 and replay.headers.get("idempotent-replayed") == "true"
+    assert fleet.used(user) == 5
+
+
+def test_kept_refund_of_a_lost_reply_removes_its_own_charge(fleet: Fleet) -> None:
+    """A reserve that charged but lost its replies is refunded later, by its own nonce."""
+    user, key = uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
+    fleet.proxy.inject(Fault.DROP_REPLY, match=RESERVE, times=2)
+    first = fleet.call(fleet.faulty, "POST", "/ok", body={}, user=user, headers=key)
+    assert first.status == 503 and fleet.used(user) == 5  # charged, but nobody knows
+    fleet.call(fleet.faulty, "POST", "/ok", body={}, user=uuid.uuid4().hex)
+    assert fleet.used(user) == 0  # the kept refund found its own charge
+    retried = fleet.call(fleet.direct, "POST", "/ok", body={}, user=user, headers=key)
+    assert retried.status == 200 and fleet.used(user) == 5
+
+
+def test_kept_middleware_refund_spares_a_later_charge_of_the_same_key(fleet: Fleet) -> None:
+    """A failed request's refund that ran but lost its replies, kept and retried, removes
+    nothing that another call charged under the same key in the meantime."""
+    user, key = uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
+    fleet.proxy.inject(Fault.DROP_REPLY, match=REFUND, times=2)
+    failed = fleet.call(fleet.faulty, "POST", "/fails", body={}, user=user, headers=key)
+    assert failed.status == 502 and fleet.pending(fleet.faulty) == 1
+    assert fleet.used(user) == 0  # the refund did land; only its replies were lost
+    retried = fleet.call(fleet.direct, "POST", "/ok", body={}, user=user, headers=key)
+    assert retried.status == 200 and fleet.used(user) == 5
+    fleet.call(fleet.faulty, "POST", "/ok", body={}, user=uuid.uuid4().hex)
+    assert fleet.pending(fleet.faulty) == 0
+    assert fleet.used(user) == 5

@@ -1,0 +1,161 @@
+"""The web layer's ledger contract: costs that never fit, empty windows, bounded refunds."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi import Depends
+from fastapi.responses import JSONResponse
+from mangum import Mangum
+
+from local.lambda_events import FakeContext, http_event, invoke
+from local.redis_servers import RedisServer
+from tests.conftest import StartEnvironment
+from tests.faultproxy import Fault, FaultProxy, script_sha
+from usage_limits import TokenBudget, Window
+from usage_limits._scripts import script
+from usage_limits.connection import redis_from_env
+from usage_limits.deadline import remaining_s
+from usage_limits.web import create_app, current_user, refunds, require_tokens
+from usage_limits.web import settings as web_settings
+from usage_limits.web.charge import Charge
+from usage_limits.web.runtime import get_budget
+
+usage_fn = importlib.import_module("functions.usage.app")
+REFUND = script_sha(script("budget_refund").sha)
+
+
+def build_app() -> Any:
+    app = create_app("web ledger test")
+
+    @app.post("/costs-5", dependencies=[Depends(require_tokens(cost=5))])
+    async def costs_5() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.post("/fails", dependencies=[Depends(require_tokens(cost=5))])
+    async def fails() -> JSONResponse:
+        return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
+                            status_code=502)
+
+    @app.post("/fails-at-deadline", dependencies=[Depends(require_tokens(cost=5))])
+    async def fails_at_deadline() -> JSONResponse:
+        await asyncio.sleep(remaining_s())  # the route uses all of its time
+        return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
+                            status_code=502)
+
+    @app.get("/used")
+    async def used(user: str = Depends(current_user)) -> dict[str, int]:
+        report = await get_budget(web_settings().plan).usage(user)
+        return {"used": report.windows[0].used}
+
+    return Mangum(app, lifespan="off")
+
+
+@pytest.fixture
+def web(lambda_env: StartEnvironment, redis_server: RedisServer) -> Iterator[Any]:
+    """The test app in a fresh Lambda environment with a 4-token hourly plan."""
+    lambda_env({"REDIS_URL": redis_server.url, "ATTO_BUDGET": "4/1h,10/1d"},
+               unset=["ATTO_ENV"])
+    yield build_app()
+
+
+def test_a_cost_above_a_window_is_422_cost_exceeds_plan(web: Any) -> None:
+    """A route that costs more than a window's limit gets 422 cost_exceeds_plan with the
+    cost, the limit and the window, no Retry-After, and nothing is charged."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/costs-5", body={}, user=user))
+    assert res.status == 422
+    err = res.body["error"]
+    assert err["code"] == "cost_exceeds_plan"
+    assert (err["cost"], err["limit"], err["window_s"]) == (5, 4, 3600)
+    assert "retry-after" not in res.headers
+    assert invoke(web, http_event("GET", "/used", user=user)).body["used"] == 0
+
+
+def test_cost_exceeds_plan_is_in_the_openapi_document() -> None:
+    """The OpenAPI document of a metered route names the cost_exceeds_plan answer."""
+    structured = importlib.import_module("functions.structured.app")
+    doc = structured.app.openapi()
+    answers = doc["paths"]["/v1/structured"]["post"]["responses"]
+    assert "cost_exceeds_plan" in answers["422"]["description"]
+
+
+@pytest.fixture
+def usage_env(lambda_env: StartEnvironment, redis_server: RedisServer) -> None:
+    """The usage function in a fresh Lambda environment with a two-window plan."""
+    lambda_env({"REDIS_URL": redis_server.url, "ATTO_BUDGET": "20/1h,100/1d"},
+               unset=["ATTO_ENV"])
+
+
+def test_usage_resets_at_is_null_when_a_window_holds_nothing(usage_env: None,
+                                                             redis_server: RedisServer) -> None:
+    """GET /v1/usage shows resets_at null for a user with no spend and after a full refund,
+    and a time when a charge is in the window."""
+    user = uuid.uuid4().hex
+    res = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user))
+    assert [w["resets_at"] for w in res.body["windows"]] == [None, None]
+    app = build_app()
+    assert invoke(app, http_event("POST", "/costs-5", body={}, user=user)).status == 200
+    res = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user))
+    assert all(isinstance(w["resets_at"], float) for w in res.body["windows"])
+    charge_at = res.body["events"][0]["at"]
+    assert [w["resets_at"] for w in res.body["windows"]] == [charge_at + 3600,
+                                                             charge_at + 86400]
+
+
+def test_ratelimit_t_is_zero_for_a_window_emptied_by_the_refund(usage_env: None) -> None:
+    """A failed request whose refund empties the windows reports t=0 in RateLimit, as
+    /v1/usage reports resets_at null."""
+    user = uuid.uuid4().hex
+    res = invoke(build_app(), http_event("POST", "/fails", body={}, user=user))
+    assert res.status == 502
+    assert res.headers["ratelimit"] == '"1h";r=20;t=0, "1d";r=100;t=0'
+    usage = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user)).body
+    assert [w["resets_at"] for w in usage["windows"]] == [None, None]
+
+
+def test_middleware_refund_ends_before_the_lambda_is_killed(
+        lambda_env: StartEnvironment, redis_server: RedisServer,
+        fault_proxy: FaultProxy) -> None:
+    """A refund that Redis answers too slowly is cut at the deadline plus half the margin and
+    kept: the invocation still ends before its Lambda time runs out, and the refund lands
+    before the next request."""
+    lambda_env({"REDIS_URL": fault_proxy.url, "REDIS_SOCKET_TIMEOUT_S": "0.6",
+                "REDIS_RETRIES": "1", "ATTO_BUDGET": "20/1h", "ATTO_DEADLINE_MARGIN_S": "0.8"},
+               unset=["ATTO_ENV"])
+    app, user = build_app(), uuid.uuid4().hex
+    fault_proxy.inject(Fault.DELAY, match=REFUND, times=2, delay_s=2.0)
+    context = FakeContext(timeout_s=2.0)
+    res = invoke(app, http_event("POST", "/fails-at-deadline", body={}, user=user), context)
+    assert res.status == 502
+    assert context.get_remaining_time_in_millis() > 0  # not killed: it ended in time
+    assert refunds.pending() == 1
+    fault_proxy.clear()  # Redis answers promptly again
+    invoke(app, http_event("POST", "/costs-5", body={}, user=uuid.uuid4().hex))
+    assert refunds.pending() == 0
+    assert invoke(app, http_event("GET", "/used", user=user)).body["used"] == 0
+
+
+async def test_retry_goes_on_past_a_refund_that_fails(redis_server: RedisServer) -> None:
+    """A pending refund that keeps failing does not hold up the ones after it."""
+    good = redis_from_env(url=redis_server.url, retries=0, socket_timeout_s=1.0)
+    dead = redis_from_env(url="redis://127.0.0.1:1", retries=0, connect_timeout_s=0.05)
+    user = uuid.uuid4().hex
+    plan = [Window(20, 3600)]
+    try:
+        ledger = TokenBudget(good, plan)
+        d = await ledger.reserve(user, "r1", 5)
+        refunds.keep(Charge(TokenBudget(dead, plan), user, "r0", 3, "n0"), 3600)
+        refunds.keep(Charge(ledger, user, "r1", 5, d.nonce), 3600)
+        assert await refunds.retry(budget_s=2.0) == 1
+        assert refunds.pending() == 1  # the failing one is kept for the next request
+        assert (await ledger.usage(user)).windows[0].used == 0
+    finally:
+        refunds.clear()
+        await good.aclose()
+        await dead.aclose()

@@ -148,13 +148,14 @@ async def test_a_hung_endpoint_is_given_up_within_the_bound(
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_ENDPOINT_URL_EVENTS", silent_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_EVENTBRIDGE", silent_endpoint)
     monkeypatch.delenv("POWERTOOLS_METRICS_DISABLED", raising=False)
     obs.reset()
     publisher = events.EventPublisher(events.EventSettings(bus=BUS, timeout_s=0.3))
     # Without the bound this would wait forever: the endpoint accepts and never replies.
     assert await asyncio.wait_for(publisher.publish([THRESHOLD]), timeout=30) is False
     assert _failed_count() == 1
+    assert publisher._events_client().meta.endpoint_url == silent_endpoint
     obs.reset()
 
 

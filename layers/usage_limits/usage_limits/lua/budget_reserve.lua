@@ -21,6 +21,8 @@ ARGV[4]  nonce       random per call, no spaces: tells a client's re-send of thi
 ARGV[5]  route       route recorded with the charge (audit trail), may be empty
 ARGV[6]  margin_ms   keys live this long past the longest window, ms (integer >= 0)
 ARGV[7.. ] window_ms, limit pairs, shortest window first: window length in ms, limit in tokens
+ARGV[last] optional (an odd count after ARGV[6]): usage thresholds, "80,100/5" (percents of a
+           window's limit / margin in percentage points; _budget_thresholds.lua)
 
 Run twice with the same arguments (redis-py re-sends a call whose reply was lost): the second
 run finds the id charged with its own nonce and answers status 1 again, charging nothing.
@@ -34,6 +36,7 @@ Returns {status, retry_after_ms, binding, then per ARGV window: used, resets_at_
   binding         when rejected, the position (1-based) of the window with that wait; else 0
   used            tokens in the window after this call
   resets_at_ms    when the oldest counted event leaves the window, ms; -1 when it is empty
+then, when this call charged and crossed thresholds, per crossing: window position, percent
 ]]
 local log_key = KEYS[1]
 local ev_key = KEYS[2]
@@ -46,12 +49,14 @@ local nonce = ARGV[4]
 local route = ARGV[5]
 local margin_ms = tonumber(ARGV[6])
 local call_windows, limits = {}, {}
-for i = 7, #ARGV, 2 do
+local threshold_spec = (#ARGV - 6) % 2 == 1 and ARGV[#ARGV] or ''
+for i = 7, #ARGV - 1, 2 do
   call_windows[#call_windows + 1] = tonumber(ARGV[i])
   limits[#limits + 1] = tonumber(ARGV[i + 1])
 end
 
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
+--#include _budget_thresholds.lua  (usage-threshold crossings)
 
 -- The wait is found by walking the window's oldest events until they free `need` tokens.
 -- Every event costs at least 1 token, so `need` tokens are freed within the `need` oldest
@@ -127,7 +132,7 @@ if fits then
       if s.first == NONE then s.first = now end
     end
     save_meta(m, now, longest)
-    return reply(1, 0, 0)
+    return append_crossings(reply(1, 0, 0), threshold_spec, m, cost)
   end
 elseif not redis.call('ZSCORE', log_key, request_id) then
   local retry, binding = 0, 0

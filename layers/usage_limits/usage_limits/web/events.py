@@ -29,11 +29,14 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import snapstart
 from ..exceptions import InvalidArgument
 from . import observability as obs
+
+if TYPE_CHECKING:
+    from ..budget import Crossing
 
 ATTO_EVENT_BUS = "ATTO_EVENT_BUS"
 ATTO_EVENTS_TIMEOUT_S = "ATTO_EVENTS_TIMEOUT_S"
@@ -47,6 +50,8 @@ DETAIL_TYPES = (USAGE_THRESHOLD, CREDIT_LOW, CREDIT_EXHAUSTED)
 
 #: PutEvents takes at most this many entries per call.
 MAX_ENTRIES = 10
+#: ``plan`` of the events while every user has the one plan of ``ATTO_BUDGET``.
+DEFAULT_PLAN = "default"
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,14 @@ class CreditExhausted:
 
 
 Event = UsageThreshold | CreditLow | CreditExhausted
+
+
+def threshold_events(user: str, plan: str,
+                     crossings: Sequence[Crossing]) -> list[UsageThreshold]:
+    """One ``UsageThreshold`` per crossing a reservation reported."""
+    return [UsageThreshold(user=user, plan=plan, window_s=round(c.window_s),
+                           threshold=c.threshold, used=c.used, limit=c.limit)
+            for c in crossings]
 
 
 def entry(event: Event, bus: str) -> dict[str, str]:

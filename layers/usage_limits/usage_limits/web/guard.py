@@ -33,7 +33,7 @@ from starlette.requests import Request
 
 from ..budget import new_nonce
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
-from . import identity, refunds, runtime
+from . import events, identity, refunds, runtime
 from . import observability as obs
 from .charge import Charge
 from .costs import Cost, price
@@ -187,6 +187,9 @@ def require_tokens(
         charge.cost, charge.nonce, charge.reservation = cost, nonce, reservation
         state.charge = charge
         obs.count(obs.TOKENS_RESERVED, cost)
+        if reservation.crossings:  # published alongside the request, within a short bound
+            events.publish_soon(events.threshold_events(user, events.DEFAULT_PLAN,
+                                                        reservation.crossings))
         return state.charge
 
     reserve_tokens.__name__ = (f"require_tokens_{cost}" if isinstance(cost, int)

@@ -49,13 +49,15 @@ def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
     """The ledger over the shared client for the given plan, made once per client and plan
     (a TokenBudget encodes its plan's script arguments when it is made)."""
     from ..budget import TokenBudget, Window
+    from ..thresholds import configured
 
     client = get_redis()
     key = (id(client), windows)
     budget = _budgets.get(key)
     if budget is None or budget.redis is not client:
         budget = TokenBudget(client, windows=[Window(limit=limit, seconds=seconds)
-                                              for limit, seconds in windows])
+                                              for limit, seconds in windows],
+                             thresholds=configured())
         _budgets.clear()  # one client and one plan per environment: keep only the current
         _budgets[key] = budget
     return budget

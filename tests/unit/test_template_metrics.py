@@ -286,3 +286,18 @@ def test_put_events_is_allowed_on_the_usage_bus_only(template: dict[str, Any]) -
     assert {r["Ref"].removesuffix("Role") for r in policy["Roles"]} == metered
     variables = template["Globals"]["Function"]["Environment"]["Variables"]
     assert variables[events.ATTO_EVENT_BUS] == {"Ref": "UsageEventBus"}
+
+
+def test_threshold_parameters_are_valid_settings(template: dict[str, Any]) -> None:
+    """The threshold parameters reach the functions and their defaults parse as the code's."""
+    from usage_limits import thresholds
+
+    variables = template["Globals"]["Function"]["Environment"]["Variables"]
+    params = template["Parameters"]
+    env = {name: str(params[value["Ref"]]["Default"]) for name, value in variables.items()
+           if name in (thresholds.ATTO_USAGE_THRESHOLDS, thresholds.ATTO_USAGE_THRESHOLD_MARGIN)}
+    assert len(env) == 2
+    assert thresholds.Thresholds.from_env(env) == thresholds.Thresholds()
+    pattern = re.compile(params["UsageThresholds"]["AllowedPattern"])
+    assert pattern.fullmatch("none") and pattern.fullmatch("50,90,100")
+    assert not pattern.fullmatch("80, 100")

@@ -185,9 +185,9 @@ def test_eight_processes_charging_one_user_publish_each_crossing_once(
 
 
 @pytest.fixture
-async def budget(standalone_client: Any) -> TokenBudget:
-    """A 100/1h ledger reporting 80% and 100% with a margin of 5 points."""
-    return TokenBudget(standalone_client, [Window(100, 3600)],
+async def budget(redis_client: Any) -> TokenBudget:
+    """A 100/1h ledger reporting 80% and 100% with a margin of 5 points (standalone, cluster)."""
+    return TokenBudget(redis_client, [Window(100, 3600)],
                        thresholds=Thresholds((80, 100), 5))
 
 

@@ -69,6 +69,12 @@ def _emitted() -> dict[str, set[frozenset[str]]]:
     return out
 
 
+def _metered() -> set[str]:
+    """Logical ids of the functions that charge tokens (their app uses ``require_tokens``)."""
+    return {s.logical_id for s in functions(TEMPLATE)
+            if "Depends(require_tokens(" in (ROOT / s.code_dir / "app.py").read_text()}
+
+
 def _providers() -> set[str]:
     """The names of the provider clients (``ProviderClient.name``)."""
     import importlib
@@ -222,7 +228,8 @@ def test_duration_alarm_divides_by_each_functions_timeout(template: dict[str, An
     timeouts = {s.logical_id: s.timeout for s in functions(TEMPLATE)}
     watched = {by_id[i]["MetricStat"]["Metric"]["Dimensions"][0]["Value"]["Ref"]: ms
                for i, ms in divisors.items()}
-    assert watched == {fn: t * 1000 for fn, t in timeouts.items()}
+    assert watched == {fn: timeouts[fn] * 1000 for fn in watched}
+    assert _metered() | {"UsageFunction"} <= set(watched)
     assert props["Threshold"] < 1
 
 
@@ -282,8 +289,7 @@ def test_put_events_is_allowed_on_the_usage_bus_only(template: dict[str, Any]) -
     (statement,) = policy["PolicyDocument"]["Statement"]
     assert statement == {"Effect": "Allow", "Action": "events:PutEvents",
                          "Resource": {"Fn::GetAtt": ["UsageEventBus", "Arn"]}}
-    metered = {s.logical_id for s in functions(TEMPLATE) if s.logical_id != "UsageFunction"}
-    assert {r["Ref"].removesuffix("Role") for r in policy["Roles"]} == metered
+    assert {r["Ref"].removesuffix("Role") for r in policy["Roles"]} == _metered()
     variables = template["Globals"]["Function"]["Environment"]["Variables"]
     assert variables[events.ATTO_EVENT_BUS] == {"Ref": "UsageEventBus"}
 

@@ -71,6 +71,10 @@ serve: $(STAMP) redis-server ## Run the API locally (PORT=8000, WORKERS=1).
 invoke: $(STAMP) redis-server ## Invoke a function handler with an event: make invoke FN=structured EVENT=events/structured.json
 	$(PY) -m local.invoke $(FN) $(EVENT)
 
+.PHONY: admin
+admin: $(STAMP) ## Operator CLI: make admin ARGS="show alice" (ARGS="--url http://127.0.0.1:8000 ...").
+	PYTHONPATH=tools$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m atto_admin $(ARGS)
+
 .PHONY: bench
 bench: $(STAMP) redis-server ## Run the benchmarks and print their tables (QUICK=1 for a short run).
 	$(PY) bench/budget.py $(if $(QUICK),--quick)

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import importlib
 import os
+import re
 import socket
 import sys
 from collections import Counter
@@ -155,8 +156,25 @@ class Dispatcher:
         self.timeouts = timeouts or {}
         self.environments = EnvironmentGate(environments or {})
         self.paths = {path for _, path in routes}
+        # Routes with {parameters} (the operator API), matched as API Gateway does: a
+        # parameter is one path segment.
+        self.templates = [(_template_pattern(path), method, path)
+                          for method, path in routes if "{" in path]
         self.concurrency = concurrency
         self._gate: asyncio.Semaphore | None = None
+
+    def match(self, method: str, path: str) -> tuple[tuple[str, str] | None, bool]:
+        """The route key (method, template path) for a request, and whether the path is
+        known at all (for 405 versus 404)."""
+        if (method, path) in self.routes:
+            return (method, path), True
+        known = path in self.paths
+        for pattern, route_method, template in self.templates:
+            if pattern.match(path):
+                known = True
+                if route_method == method:
+                    return (route_method, template), True
+        return None, known
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -167,12 +185,12 @@ class Dispatcher:
             await send({"type": "lifespan.shutdown.complete"})
             return
         path = scope.get("path", "")
-        route = (scope.get("method", ""), path)
-        app = self.routes.get(route)
-        if app is None:
+        route, known = self.match(scope.get("method", ""), path)
+        app = self.routes.get(route) if route is not None else None
+        if app is None or route is None:
             from usage_limits.web.errors import error_response
 
-            status, code = (405, "method_not_allowed") if path in self.paths else (404, "not_found")
+            status, code = (405, "method_not_allowed") if known else (404, "not_found")
             await error_response(status, code, f"no route for {scope.get('method')} {path}")(
                 scope, receive, send)
             return
@@ -192,6 +210,11 @@ class Dispatcher:
             await app(scope, receive, send)
 
 
+def _template_pattern(path: str) -> re.Pattern[str]:
+    """``/a/{b}/c`` as a regex in which ``{b}`` is one path segment."""
+    return re.compile(re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(path)) + "$")
+
+
 def load_function_app(code_dir: str) -> Any:
     """Import ``<code_dir>/app.py`` as a uniquely named module and return its ``app``."""
     module = importlib.import_module(code_dir.strip("/").replace("/", ".") + ".app")
@@ -208,9 +231,12 @@ def create_dispatcher() -> Dispatcher:
                                       for fn in specs})
     os.environ.update(common)
     routes, timeouts = {}, {}
+    apps: dict[str, Any] = {}
     override = os.environ.get("ATTO_REQUEST_TIMEOUT_S")
     for fn in specs:
-        routes[(fn.method, fn.path)] = load_function_app(fn.code_dir)
+        if fn.code_dir not in apps:
+            apps[fn.code_dir] = load_function_app(fn.code_dir)
+        routes[(fn.method, fn.path)] = apps[fn.code_dir]
         timeouts[(fn.method, fn.path)] = float(override) if override else float(fn.timeout)
     return Dispatcher(routes, concurrency=int(os.environ.get("WORKER_CONCURRENCY", "1")),
                       timeouts=timeouts, environments=own)
@@ -258,7 +284,7 @@ def main() -> int:
     with local_stack() as started:
         url = f"http://{host}:{port}"
         print(f"Atto Cloud (local) on {url} with {workers} worker(s)")
-        for name in ("REDIS_URL", "EMULATOR_URL"):
+        for name in ("REDIS_URL", "EMULATOR_URL", "ATTO_DYNAMODB_ENDPOINT"):
             if name in started:
                 print(f"  {name}={started[name]} (started for this session)")
         for fn in functions():

@@ -1,7 +1,9 @@
 """The local stack: what ``make serve`` and ``make invoke`` start when nothing is configured.
 
 With ``REDIS_URL`` unset a private redis-server is started; with ``LLM_BASE_URL`` unset the
-offline provider emulator is started and every provider's base URL and key point at it.
+offline provider emulator is started and every provider's base URL and key point at it;
+with ``ATTO_ENTITLEMENTS_TABLE`` unset a local DynamoDB (moto's server) with the
+entitlements table is started.
 Local mode (``ATTO_ENV=local``) is always on here.
 """
 
@@ -62,6 +64,13 @@ def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
         if not env.get("REDIS_URL"):
             server = stack.enter_context(RedisServer())
             started["REDIS_URL"] = server.url
+        if not env.get("ATTO_ENTITLEMENTS_TABLE"):
+            _local_aws_defaults(env, started)
+            from .dynamodb import DynamoServer
+
+            dynamo = stack.enter_context(DynamoServer())
+            started["ATTO_ENTITLEMENTS_TABLE"] = dynamo.table
+            started["ATTO_DYNAMODB_ENDPOINT"] = dynamo.url
         if not env.get("LLM_BASE_URL"):
             from .emulator import EmulatorProcess
 
@@ -73,3 +82,13 @@ def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
             started["EMULATOR_URL"] = emulator.url
         env.update(started)
         yield started
+
+
+def _local_aws_defaults(env: dict[str, str], started: dict[str, str]) -> None:
+    """A region, and stand-in credentials when none are configured (the local DynamoDB
+    accepts any; real ones are left alone)."""
+    if not env.get("AWS_DEFAULT_REGION") and not env.get("AWS_REGION"):
+        started["AWS_DEFAULT_REGION"] = env["AWS_DEFAULT_REGION"] = "us-east-1"
+    if not env.get("AWS_ACCESS_KEY_ID") and not env.get("AWS_PROFILE"):
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            started[name] = env[name] = "local"

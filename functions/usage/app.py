@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import Depends
 from pydantic import BaseModel, Field
 
-from usage_limits.web import create_app, current_user, lambda_handler, settings
+from usage_limits.entitlements import Plan
+from usage_limits.web import create_app, current_user, lambda_handler
+from usage_limits.web.guard import current_plan
 from usage_limits.web.runtime import get_budget
 
 app = create_app("Atto Cloud: usage")
@@ -43,6 +47,7 @@ class SpendEventOut(BaseModel):
 
 class UsageOut(BaseModel):
     user_id: str
+    plan: str = Field(description="The name of the caller's plan.")
     windows: list[WindowOut]
     events: list[SpendEventOut] = Field(description="Most recent charges first.")
     prices: dict[str, int | str] = Field(
@@ -52,12 +57,14 @@ class UsageOut(BaseModel):
 
 
 @app.get("/v1/usage")
-async def usage(user: str = Depends(current_user)) -> UsageOut:
+async def usage(plan: Annotated[Plan, Depends(current_plan)],
+                user: str = Depends(current_user)) -> UsageOut:
     """What the caller has spent, what is left, and what each route costs."""
-    ledger = get_budget(settings().plan)
+    ledger = get_budget(plan.windows)
     report = await ledger.usage(user)
     return UsageOut(
         user_id=user,
+        plan=plan.name,
         windows=[WindowOut(limit=w.limit, used=w.used, remaining=w.remaining,
                            window_s=int(w.window_s), resets_at=w.resets_at)
                  for w in report.windows],

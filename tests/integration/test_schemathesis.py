@@ -47,9 +47,11 @@ import atto_providers.fetch as fetch
 import atto_providers.llm as llm
 import atto_providers.salary as salary
 import atto_providers.search as search
+from local.dynamodb import DynamoServer
 from local.emulator import EmulatorProcess
 from local.redis_servers import RedisServer
 from local.template import FunctionSpec, functions
+from usage_limits.entitlements.store import set_store
 from usage_limits.web import idempotency, runtime, settings
 
 #: Fuzzed cases per operation (the examples and coverage phases add their own).
@@ -78,6 +80,7 @@ def _app(spec: FunctionSpec) -> Any:
 
 def _reset() -> None:
     settings.cache_clear()
+    set_store(None)
     runtime.set_redis(None)
     idempotency.reset()
     llm._client = None
@@ -88,10 +91,14 @@ def _reset() -> None:
 
 @pytest.fixture(scope="module")
 def local_env(redis_server: RedisServer, emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
-    """Local mode, real Redis, every provider on the emulator, throttles that never wait."""
+    """Local mode, real Redis, every provider on the emulator, throttles that never wait, and
+    a local DynamoDB for the operator API."""
     emulator.reset()
-    with pytest.MonkeyPatch.context() as env:
+    with pytest.MonkeyPatch.context() as env, DynamoServer() as dynamo:
         for name, value in {
+            "ATTO_ENTITLEMENTS_TABLE": dynamo.table, "ATTO_DYNAMODB_ENDPOINT": dynamo.url,
+            "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
+            "AWS_DEFAULT_REGION": "us-east-1",
             "ATTO_ENV": "local", "REDIS_URL": redis_server.url, "ATTO_BUDGET": "1000/1h",
             "LLM_BASE_URL": emulator.openai_base_url, "LLM_API_KEY": "test-llm-key",
             "SALARY_BASE_URL": emulator.adzuna_base_url, "SALARY_APP_ID": "test-id",

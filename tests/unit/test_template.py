@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import tomllib
 from pathlib import Path
@@ -25,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "template.yaml"
 EVENTS = ROOT / "events"
 SPECS = functions(TEMPLATE)
+#: One spec per function (the admin function has one per operator route; its first here).
+FUNCTION_SPECS = [spec for i, spec in enumerate(SPECS)
+                  if spec.logical_id not in {s.logical_id for s in SPECS[:i]}]
 
 #: DESIGN.md, "Public contract": the local app depends on exactly these routes.
 CONTRACT_ROUTES = {
@@ -37,6 +41,19 @@ CONTRACT_ROUTES = {
     "GET /v1/usage",
 }
 
+#: The operator API: IAM-authorized, never the user JWT authorizer.
+ADMIN_ROUTES = {
+    "GET /admin/v1/users/{user_id}",
+    "PUT /admin/v1/users/{user_id}/plan",
+    "DELETE /admin/v1/users/{user_id}/plan",
+    "POST /admin/v1/users/{user_id}/grants",
+    "DELETE /admin/v1/users/{user_id}/grants/{reference}",
+    "POST /admin/v1/users/{user_id}/refunds",
+    "PUT /admin/v1/users/{user_id}/suspension",
+    "DELETE /admin/v1/users/{user_id}/suspension",
+    "GET /admin/v1/audit",
+}
+
 #: Provider secrets each function may read (logical ids); nothing else.
 SECRETS_BY_FUNCTION = {
     "StructuredFunction": {"LlmSecret"},
@@ -46,6 +63,7 @@ SECRETS_BY_FUNCTION = {
     "CompanyResearchFunction": {"LlmSecret", "SearchSecret"},
     "MarketContextFunction": {"LlmSecret", "AdzunaSecret"},
     "UsageFunction": set(),
+    "AdminFunction": set(),
 }
 
 #: cfn-lint rules switched off, each with the reason. Informational rules run too.
@@ -158,10 +176,11 @@ def test_optional_kms_key_encrypts_logs_secrets_and_environment(
     encrypted = {name: r["Properties"].get(kinds[r["Type"]])
                  for name, r in resources.items() if r["Type"] in kinds}
     assert {resources[name]["Type"] for name in encrypted} == set(kinds)
-    assert sum(resources[n]["Type"] == "AWS::Lambda::Function" for n in encrypted) == len(SPECS)
+    assert sum(resources[n]["Type"] == "AWS::Lambda::Function"
+               for n in encrypted) == len(FUNCTION_SPECS)
     assert {name: key for name, key in encrypted.items() if key != KMS_KEY_OR_DEFAULT} == {}
     decrypt = {"Fn::If": ["HasKmsKey", {"Ref": "KmsDecryptPolicy"}, {"Ref": "AWS::NoValue"}]}
-    for spec in SPECS:
+    for spec in FUNCTION_SPECS:
         assert decrypt in resources[f"{spec.logical_id}Role"]["Properties"]["ManagedPolicyArns"]
     policy = resources["KmsDecryptPolicy"]
     assert policy["Condition"] == "HasKmsKey"
@@ -172,23 +191,25 @@ def test_optional_kms_key_encrypts_logs_secrets_and_environment(
 
 
 def test_sam_transform_produces_the_stack(resources: dict[str, Any]) -> None:
-    """The SAM translator turns the template into an HTTP API, seven functions and their roles."""
+    """The SAM translator turns the template into an HTTP API, eight functions and their roles."""
     types = [r["Type"] for r in resources.values()]
-    assert types.count("AWS::Lambda::Function") == 7
+    assert types.count("AWS::Lambda::Function") == 8
     assert types.count("AWS::ApiGatewayV2::Api") == 1
     assert types.count("AWS::Lambda::LayerVersion") == 3
     assert "AWS::ElastiCache::ServerlessCache" in types
 
 
 def test_contract_routes_are_all_deployed() -> None:
-    """Every route of the public contract, and no other, has a function in the template."""
-    assert {spec.route_key for spec in SPECS} == CONTRACT_ROUTES
+    """Every route of the public contract and of the operator API, and no other, has a function
+    in the template; the operator routes all belong to the admin function."""
+    assert {spec.route_key for spec in SPECS} == CONTRACT_ROUTES | ADMIN_ROUTES
+    assert {s.route_key for s in SPECS if s.logical_id == "AdminFunction"} == ADMIN_ROUTES
 
 
 # --- functions ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+@pytest.mark.parametrize("spec", FUNCTION_SPECS, ids=_by_id)
 def test_function_runtime_architecture_and_timeout(spec: FunctionSpec,
                                                    resources: dict[str, Any]) -> None:
     """Each function runs python3.12 on arm64 and ends before API Gateway's 30 s limit."""
@@ -200,7 +221,7 @@ def test_function_runtime_architecture_and_timeout(spec: FunctionSpec,
     assert spec.timeout == props["Timeout"]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+@pytest.mark.parametrize("spec", FUNCTION_SPECS, ids=_by_id)
 def test_function_code_and_makefile_exist(spec: FunctionSpec) -> None:
     """Each function's folder holds its app.py and a Makefile with its sam build target."""
     code = ROOT / spec.code_dir
@@ -209,17 +230,22 @@ def test_function_code_and_makefile_exist(spec: FunctionSpec) -> None:
     assert f"build-{spec.logical_id}:" in makefile
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+@pytest.mark.parametrize("spec", FUNCTION_SPECS, ids=_by_id)
 def test_function_event_matches_route(spec: FunctionSpec) -> None:
     """events/<dir>.json is a payload v2.0 event for the function's own route and user."""
     event = json.loads((EVENTS / f"{_event_name(spec)}.json").read_text())
     ctx = event["requestContext"]
     assert event["version"] == "2.0"
     assert event["routeKey"] == ctx["routeKey"] == spec.route_key
-    assert event["rawPath"] == ctx["http"]["path"] == spec.path
+    assert event["rawPath"] == ctx["http"]["path"]
+    assert re.fullmatch(re.sub(r"\{[^}]+\}", "[^/]+", spec.path), event["rawPath"])
     assert ctx["http"]["method"] == spec.method
     assert ctx["stage"] == "$default"
-    assert ctx["authorizer"]["jwt"]["claims"]["sub"] == "user-123"
+    if spec.path.startswith("/admin/"):  # signed by an operator: IAM, never a JWT
+        assert ctx["authorizer"]["iam"]["userArn"].startswith("arn:aws:")
+        assert "jwt" not in ctx["authorizer"]
+    else:
+        assert ctx["authorizer"]["jwt"]["claims"]["sub"] == "user-123"
     assert event["isBase64Encoded"] is False
     if spec.method == "POST":
         assert isinstance(json.loads(event["body"]), dict)
@@ -250,7 +276,7 @@ def test_bad_input_event_lacks_schema() -> None:
     assert "prompt" in body and "schema" not in body
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+@pytest.mark.parametrize("spec", FUNCTION_SPECS, ids=_by_id)
 def test_function_logs_to_its_own_group_with_retention(spec: FunctionSpec,
                                                        template: dict[str, Any]) -> None:
     """Each function logs to its own log group, which has a retention period."""
@@ -281,7 +307,7 @@ def test_snapstart_is_a_parameter_on_every_function(template: dict[str, Any],
     and a rule refuses it together with provisioned concurrency."""
     assert template["Parameters"]["SnapStart"]["Default"] == "false"
     functions = [r for r in resources.values() if r["Type"] == "AWS::Lambda::Function"]
-    assert len(functions) == len(SPECS)
+    assert len(functions) == len(FUNCTION_SPECS)
     for function in functions:
         assert function["Properties"]["Runtime"] in {"python3.12", "python3.13"}
         assert function["Properties"]["SnapStart"] == {"Fn::If": [
@@ -306,8 +332,9 @@ def test_layers_are_built_by_their_makefiles(template: dict[str, Any]) -> None:
 # --- API ------------------------------------------------------------------------------------
 
 
-def test_every_route_requires_the_jwt_authorizer(resources: dict[str, Any]) -> None:
-    """Every API route is protected by the JWT authorizer on the Authorization header."""
+def test_every_route_requires_the_jwt_authorizer_or_iam(resources: dict[str, Any]) -> None:
+    """Every public route is protected by the JWT authorizer on the Authorization header;
+    every operator route by AWS_IAM (SigV4) alone, never by the JWT authorizer."""
     body = resources["HttpApi"]["Properties"]["Body"]
     scheme = body["components"]["securitySchemes"]["AttoJwt"]
     assert scheme["x-amazon-apigateway-authorizer"]["type"] == "jwt"
@@ -315,10 +342,51 @@ def test_every_route_requires_the_jwt_authorizer(resources: dict[str, Any]) -> N
         "$request.header.Authorization")
     operations = [(path, method, op) for path, item in body["paths"].items()
                   for method, op in item.items()]
-    assert len(operations) == len(CONTRACT_ROUTES)
+    assert len(operations) == len(CONTRACT_ROUTES) + len(ADMIN_ROUTES)
+    iam = body["components"]["securitySchemes"]["AWS_IAM"]
+    assert iam["x-amazon-apigateway-authtype"] == "awsSigv4"
     for path, method, op in operations:
-        assert op["security"] == [{"AttoJwt": []}], f"{method.upper()} {path}"
+        route = f"{method.upper()} {path}"
+        expected = [{"AWS_IAM": []}] if route in ADMIN_ROUTES else [{"AttoJwt": []}]
+        assert op["security"] == expected, route
         assert op["x-amazon-apigateway-integration"]["payloadFormatVersion"] == "2.0"
+        integration = json.dumps(op["x-amazon-apigateway-integration"]["uri"])
+        assert ("AdminFunction" in integration) == (route in ADMIN_ROUTES), route
+
+
+def test_entitlements_table_is_durable_and_matches_the_store(template: dict[str, Any]) -> None:
+    """The entitlements table is on-demand with point-in-time recovery, kept on deletion,
+    and has the keys and index the store uses."""
+    from usage_limits.entitlements.store import TABLE_DEFINITION
+
+    table = template["Resources"]["EntitlementsTable"]
+    props = table["Properties"]
+    assert table["DeletionPolicy"] == table["UpdateReplacePolicy"] == "Retain"
+    assert props["BillingMode"] == "PAY_PER_REQUEST"
+    assert props["PointInTimeRecoverySpecification"] == {"PointInTimeRecoveryEnabled": True}
+    for key in ("AttributeDefinitions", "KeySchema", "GlobalSecondaryIndexes"):
+        assert props[key] == TABLE_DEFINITION[key], key
+
+
+def test_only_the_admin_function_reaches_the_table_with_named_actions(
+        resources: dict[str, Any]) -> None:
+    """DynamoDB permissions are granted to the admin role only, as named actions on the
+    entitlements table and its audit index (no wildcards, no Scan, no table management)."""
+    holders = set()
+    for holder, statement in _statements(resources):
+        actions = [str(a) for a in _as_list(statement.get("Action", []))]
+        dynamo = [a for a in actions if a.lower().startswith("dynamodb:")]
+        if not dynamo:
+            continue
+        holders.add(holder)
+        assert all("*" not in a for a in dynamo), dynamo
+        assert set(dynamo) <= {"dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem",
+                               "dynamodb:DeleteItem", "dynamodb:Query",
+                               "dynamodb:ConditionCheckItem"}
+        assert _as_list(statement["Resource"]) == [
+            {"Fn::GetAtt": ["EntitlementsTable", "Arn"]},
+            {"Fn::Sub": "${EntitlementsTable.Arn}/index/audit"}]
+    assert holders == {"AdminFunctionRole"}
 
 
 def test_stage_throttling_and_access_logs(resources: dict[str, Any]) -> None:
@@ -354,7 +422,7 @@ def test_no_wildcards_on_secret_or_cache_permissions(resources: dict[str, Any]) 
     assert checked >= 7
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+@pytest.mark.parametrize("spec", FUNCTION_SPECS, ids=_by_id)
 def test_function_reads_only_its_own_secrets(spec: FunctionSpec,
                                              resources: dict[str, Any],
                                              template: dict[str, Any]) -> None:
@@ -370,7 +438,7 @@ def test_function_reads_only_its_own_secrets(spec: FunctionSpec,
     assert named == granted
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=_by_id)
+@pytest.mark.parametrize("spec", FUNCTION_SPECS, ids=_by_id)
 def test_function_may_connect_to_the_cache_as_its_user(spec: FunctionSpec,
                                                        resources: dict[str, Any]) -> None:
     """Each role has elasticache:Connect on this cache and its IAM user only."""
@@ -448,7 +516,8 @@ def test_function_environment_is_valid_for_the_library(template: dict[str, Any])
 def test_globals_name_every_setting(template: dict[str, Any]) -> None:
     """The functions get the Redis, budget, logging and provider settings from Globals."""
     names = set(template["Globals"]["Function"]["Environment"]["Variables"])
-    assert {"ATTO_ENV", "ATTO_BUDGET", "REDIS_URL", "REDIS_CLUSTER", "REDIS_AUTH", "REDIS_USER",
+    assert {"ATTO_ENV", "ATTO_BUDGET", "ATTO_PLANS", "ATTO_DEFAULT_PLAN", "ATTO_PLAN_CLAIM",
+            "REDIS_URL", "REDIS_CLUSTER", "REDIS_AUTH", "REDIS_USER",
             "ELASTICACHE_CACHE_NAME", "POWERTOOLS_METRICS_NAMESPACE", "LOG_LEVEL",
             "LLM_BASE_URL", "LLM_MODEL", "LLM_RATE", "SALARY_BASE_URL", "SALARY_RATE",
             "SEARCH_BASE_URL", "SEARCH_RATE", "PAGES_RATE"} <= names

@@ -202,12 +202,15 @@ class SpendEvent:
         cost: tokens currently charged (after any settle).
         route: the route recorded with the charge ('' when none was given).
         at_ms: when the charge was made, ms since the epoch on the ledger's clock.
+        nonce: the nonce of the reservation that made the charge (what ``refund`` and
+            ``settle`` name; an operator's support refund reads it here).
     """
 
     request_id: str
     cost: int
     route: str
     at_ms: int
+    nonce: str = ""
 
 
 @dataclass(frozen=True)
@@ -488,11 +491,12 @@ def _decode_usage(reply: list[Any], plan: tuple[Window, ...]) -> Usage:
     rest = reply[1 + 2 * len(plan):]
     for i in range(0, len(rest), 3):
         request_id, at_ms, record = rest[i: i + 3]
-        cost, route = 0, ""
+        cost, route, nonce = 0, "", ""
         if record is not None:
             parts = _text(record).split(" ", 2)
             cost = int(parts[0])
+            nonce = parts[1] if len(parts) > 1 else ""
             route = parts[2] if len(parts) > 2 else ""
         events.append(SpendEvent(request_id=_text(request_id), cost=cost, route=route,
-                                 at_ms=int(float(_text(at_ms)))))
+                                 at_ms=int(float(_text(at_ms))), nonce=nonce))
     return Usage(windows=states, events=tuple(events), now_ms=now)

@@ -5,6 +5,7 @@ the shape are defined once:
 
     ApiError
      ├── Unauthorized          401 unauthorized
+     ├── Forbidden             403 forbidden
      ├── InvalidRequest        400 invalid_request (422 for body validation)
      ├── PayloadTooLarge       413 payload_too_large
      ├── IdempotencyConflict   409 idempotency_conflict
@@ -48,6 +49,10 @@ class ApiError(Exception):
 
 class Unauthorized(ApiError):
     status, code = 401, "unauthorized"
+
+
+class Forbidden(ApiError):
+    status, code = 403, "forbidden"
 
 
 class InvalidRequest(ApiError):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from ..budget import new_nonce
+from ..entitlements.plans import Plan
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
 from . import events, identity, refunds, runtime
 from . import observability as obs
@@ -93,6 +94,11 @@ def current_user(request: Request) -> str:
     return user
 
 
+def current_plan(request: Request) -> Plan:
+    """Dependency: the caller's plan (the claim's, else the default)."""
+    return identity.plan(request).plan
+
+
 def _route_path(request: Request) -> str:
     """The matched route's path template, or the URL's path when no route matched."""
     path: str = getattr(request.scope.get("route"), "path", request.url.path)
@@ -128,7 +134,8 @@ def require_tokens(
             raise InvalidArgument("require_tokens is only for routes of an app made by create_app")
         state = request_state(request)
         user = current_user(request)
-        state.pending = Charge(runtime.get_budget(settings().plan), user,
+        plan = identity.plan(request).plan
+        state.pending = Charge(runtime.get_budget(plan.windows), user,
                                identity.request_id(request), 0, nonce="")
 
         async def meter(arguments: dict[str, Any]) -> Charge:
@@ -150,7 +157,7 @@ def require_tokens(
         if charge is None:
             raise InvalidArgument("no charge was prepared for this request")
         user, rid, budget = charge.user_id, charge.request_id, charge.budget
-        plan = settings().plan
+        plan = tuple((w.limit, int(w.seconds)) for w in budget.windows)
         name = route or _route_path(request)
         nonce = new_nonce()
         try:
@@ -160,8 +167,7 @@ def require_tokens(
             # after the script ran): refund it later, when Redis answers again. The refund
             # carries this call's nonce, so it removes that charge or nothing: never the
             # charge of a retry that another environment served under the same id.
-            refunds.keep(Charge(budget, user, rid, cost, nonce),
-                         max(seconds for _, seconds in plan))
+            refunds.keep(Charge(budget, user, rid, cost, nonce), settings().plans.longest_s)
             raise LimiterUnavailableError(
                 "the usage limiter is unavailable; nothing was charged",
                 headers=retry_after_header(1)) from exc

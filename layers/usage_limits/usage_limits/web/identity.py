@@ -3,19 +3,29 @@
 Identity comes only from the API Gateway JWT authorizer's claims (``sub``), read from the
 event Mangum puts in ``scope["aws.event"]``. Only in local mode (``ATTO_ENV=local``) may the
 ``X-Atto-User`` header name the user; everywhere else that header is ignored.
+
+The user's plan claim (``ATTO_PLAN_CLAIM``) is read from the same claims; in local mode an
+``X-Atto-Plan`` header stands in for it, and is ignored everywhere else.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
-from .errors import InvalidRequest, Unauthorized
+from .errors import Forbidden, InvalidRequest, Unauthorized
 from .settings import settings
 
+if TYPE_CHECKING:
+    from ..entitlements.plans import ResolvedPlan
+
+log = logging.getLogger("usage_limits.web")
+
 LOCAL_USER_HEADER = "x-atto-user"
+LOCAL_PLAN_HEADER = "x-atto-plan"
 IDEMPOTENCY_HEADER = "idempotency-key"
 MAX_USER_ID = 256
 MAX_IDEMPOTENCY_KEY = 128
@@ -56,6 +66,64 @@ def user_id(request: Request) -> str:
     if len(sub) > MAX_USER_ID or not sub.isprintable():
         raise Unauthorized("the user identity is malformed")
     return sub
+
+
+def plan_claim(request: Request) -> object:
+    """The value of the plan claim (``ATTO_PLAN_CLAIM``), or in local mode ``X-Atto-Plan``.
+
+    Returns:
+        The claim's raw value (a string or a list), or None when there is none.
+    """
+    conf = settings()
+    if conf.local:
+        header = request.headers.get(LOCAL_PLAN_HEADER)
+        if header is not None:
+            return header
+    if conf.plan_claim is None:
+        return None
+    event = request.scope.get("aws.event") or {}
+    return _claims(event).get(conf.plan_claim)
+
+
+def plan(request: Request, override: str | None = None) -> ResolvedPlan:
+    """The caller's plan: ``override``, else the plan claim, else the default.
+
+    A claim that names no plan gets the default plan and a warning in the log, never an
+    error: the token is valid, only its plan is unknown here.
+
+    Args:
+        request: the request.
+        override: an operator's override for this user (a plan name), if known.
+
+    Returns:
+        The plan and where it came from.
+    """
+    resolved = settings().plans.resolve(override=override, claim=plan_claim(request))
+    if resolved.unknown_claim is not None:
+        log.warning("plan claim names no plan; using the default plan",
+                    extra={"claim": resolved.unknown_claim, "plan": resolved.plan.name})
+    return resolved
+
+
+def operator_principal(request: Request) -> str:
+    """Who is calling an operator route: the IAM principal API Gateway verified.
+
+    HTTP API's ``AWS_IAM`` authorization puts the signer in ``requestContext.authorizer.iam``
+    (``userArn``). JWT claims are never read here. In local mode, where nothing signs,
+    the principal is ``local``.
+
+    Raises:
+        Forbidden: outside local mode, the request carries no IAM principal.
+    """
+    event = request.scope.get("aws.event") or {}
+    authorizer = (event.get("requestContext") or {}).get("authorizer") or {}
+    iam = authorizer.get("iam") if isinstance(authorizer, dict) else None
+    arn = iam.get("userArn") if isinstance(iam, dict) else None
+    if isinstance(arn, str) and arn.strip():
+        return arn
+    if settings().local:
+        return "local"
+    raise Forbidden("operator routes need a request signed with AWS credentials (IAM)")
 
 
 def request_id(request: Request) -> str:

@@ -126,7 +126,7 @@ class UsageLimitsMiddleware:
                 except Exception:  # the response is already out: retry before the next request
                     log.exception("refund failed; kept to retry before the next request")
                     charge.cost = cost
-                    refunds.keep(charge, max(seconds for _, seconds in settings().plan))
+                    refunds.keep(charge, settings().plans.longest_s)
                 else:
                     if removed:
                         refunded = cost

@@ -6,16 +6,19 @@ Every name here is documented in the README. Explicit arguments beat the environ
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
+from ..entitlements.plans import SINGLE_PLAN_NAME, Plans, parse_windows
 from ..exceptions import InvalidArgument
 
 # "local" enables the X-Atto-User header; anything else ignores it
 ATTO_ENV = "ATTO_ENV"
 ATTO_BUDGET = "ATTO_BUDGET"            # the plan, e.g. "100/1h,1000/30d"
+ATTO_PLANS = "ATTO_PLANS"              # named plans: "free=100/1h,1000/30d;pro=400/1h,..."
+ATTO_DEFAULT_PLAN = "ATTO_DEFAULT_PLAN"  # the plan of a user with no override or claim
+ATTO_PLAN_CLAIM = "ATTO_PLAN_CLAIM"    # the JWT claim naming the plan (custom:plan, ...)
 ATTO_MAX_BODY_BYTES = "ATTO_MAX_BODY_BYTES"
 ATTO_DEADLINE_MARGIN_S = "ATTO_DEADLINE_MARGIN_S"
 ATTO_REQUEST_TIMEOUT_S = "ATTO_REQUEST_TIMEOUT_S"  # outside Lambda: the function timeout to assume
@@ -25,9 +28,6 @@ DEFAULT_MAX_BODY_BYTES = 256 * 1024
 DEFAULT_DEADLINE_MARGIN_S = 0.5
 DEFAULT_REQUEST_TIMEOUT_S = 29.0
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-_WINDOW = re.compile(r"\s*(\d+)\s*/\s*(\d*)\s*([smhd])\s*")
-
 
 def parse_plan(text: str) -> tuple[tuple[int, int], ...]:
     """Parse ``"100/1h,1000/30d"`` into ``((100, 3600), (1000, 2592000))`` (limit, seconds).
@@ -35,20 +35,23 @@ def parse_plan(text: str) -> tuple[tuple[int, int], ...]:
     Raises:
         InvalidArgument: the text is not a comma-separated list of ``LIMIT/[N]UNIT``.
     """
-    windows = []
-    for part in text.split(","):
-        match = _WINDOW.fullmatch(part)
-        if not match:
-            raise InvalidArgument(
-                f"{ATTO_BUDGET}: {part.strip()!r} is not LIMIT/[N]UNIT (units s, m, h, d), "
-                "e.g. 100/1h,1000/30d")
-        limit, count, unit = int(match[1]), int(match[2] or 1), match[3]
-        if limit <= 0 or count <= 0:
-            raise InvalidArgument(f"{ATTO_BUDGET}: {part.strip()!r} must be positive")
-        windows.append((limit, count * _UNITS[unit]))
-    if len({seconds for _, seconds in windows}) != len(windows):
-        raise InvalidArgument(f"{ATTO_BUDGET}: two windows have the same length in {text!r}")
-    return tuple(sorted(windows, key=lambda w: w[1]))
+    return parse_windows(text, setting=ATTO_BUDGET)
+
+
+def parse_plans(env: Mapping[str, str]) -> Plans:
+    """The deployment's plans: ``ATTO_PLANS`` and ``ATTO_DEFAULT_PLAN``, else ``ATTO_BUDGET``
+    alone as the plan ``default``.
+
+    Raises:
+        InvalidArgument: a plan is malformed, or the default names no plan.
+    """
+    text = env.get(ATTO_PLANS, "").strip()
+    default = env.get(ATTO_DEFAULT_PLAN, "").strip() or None
+    if not text:
+        if default not in (None, SINGLE_PLAN_NAME):
+            raise InvalidArgument(f"{ATTO_DEFAULT_PLAN}={default!r} needs {ATTO_PLANS}")
+        return Plans.single(parse_plan(env.get(ATTO_BUDGET) or DEFAULT_BUDGET))
+    return Plans.parse(text, default)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,10 @@ class WebSettings:
 
     Attributes:
         local: True only when ``ATTO_ENV=local``; enables the ``X-Atto-User`` header.
-        plan: the budget windows as (limit, seconds), shortest first.
+        plan: the default plan's windows as (limit, seconds), shortest first.
+        plans: every plan of the deployment, and the default.
+        plan_claim: the JWT claim that names a user's plan (None: every user without an
+            override gets the default plan).
         max_body_bytes: request bodies above this get 413 ``payload_too_large``.
         deadline_margin_s: time kept back from the request deadline for refunds.
         request_timeout_s: the timeout assumed when there is no Lambda context (local
@@ -66,6 +72,8 @@ class WebSettings:
 
     local: bool = False
     plan: tuple[tuple[int, int], ...] = parse_plan(DEFAULT_BUDGET)
+    plans: Plans = Plans.single(parse_plan(DEFAULT_BUDGET))
+    plan_claim: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     deadline_margin_s: float = DEFAULT_DEADLINE_MARGIN_S
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
@@ -87,9 +95,12 @@ class WebSettings:
         if max_body <= 0 or margin < 0 or timeout <= 0:
             raise InvalidArgument(f"{ATTO_MAX_BODY_BYTES} and {ATTO_REQUEST_TIMEOUT_S} must be "
                                   f"> 0 and {ATTO_DEADLINE_MARGIN_S} >= 0")
+        plans = parse_plans(env)
         return cls(
             local=env.get(ATTO_ENV, "").strip().lower() == "local",
-            plan=parse_plan(env.get(ATTO_BUDGET, DEFAULT_BUDGET)),
+            plan=plans.default_plan.windows,
+            plans=plans,
+            plan_claim=env.get(ATTO_PLAN_CLAIM, "").strip() or None,
             max_body_bytes=max_body,
             deadline_margin_s=margin,
             request_timeout_s=timeout,

@@ -1,0 +1,27 @@
+"""Errors of the entitlements store, under the package's one base class.
+
+    UsageLimitError                       (usage_limits.exceptions)
+     ├── InvalidArgument                  bad input: nothing was written
+     └── EntitlementError
+          ├── NotFound                    no such grant (or charge) for this user
+          └── StoreUnavailable            DynamoDB unreachable, throttling or misconfigured
+
+AWS client errors are re-raised as ``StoreUnavailable`` ``from`` the original, so callers
+never need botocore to handle them.
+"""
+
+from __future__ import annotations
+
+from ..exceptions import UsageLimitError
+
+
+class EntitlementError(UsageLimitError):
+    """Base class of the entitlements store's errors."""
+
+
+class NotFound(EntitlementError):
+    """The thing named does not exist for this user. Nothing was written."""
+
+
+class StoreUnavailable(EntitlementError):
+    """The durable store could not be reached or refused the call. Fail closed."""

@@ -1,0 +1,209 @@
+"""What an operator can do to one user: the work behind the ``/admin/v1/`` routes.
+
+Durable state (overrides, grants, suspensions, support refunds, the audit log) is written
+to the ``EntitlementStore``; the ledger (Redis) is read for the windows and spend events,
+and changed only by a support refund. Store calls are blocking boto3 calls, run in a thread
+so the event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..exceptions import InvalidArgument
+from .exceptions import NotFound
+from .models import AuditEntry, Grant, PlanOverride, SupportRefund, Suspension, UserEntitlements
+from .plans import Plan, Plans, PlanSource
+
+if TYPE_CHECKING:
+    from ..budget import SpendEvent, TokenBudget, WindowUsage
+    from .store import EntitlementStore
+
+#: Spend events shown in a user's picture.
+PICTURE_EVENTS = 50
+#: How far back a support refund looks for the charge, in events.
+REFUND_SEARCH_EVENTS = 1000
+#: The prefixes the request path gives request ids (Idempotency-Key, API Gateway, generated).
+REQUEST_ID_PREFIXES = ("k:", "r:", "g:")
+
+
+@dataclass(frozen=True)
+class Picture:
+    """One user's whole picture.
+
+    Attributes:
+        user_id: the user.
+        plan: the plan the user gets without a plan claim (the override, else the default).
+        plan_source: ``override`` or ``default`` (a JWT claim, seen only on the user's own
+            requests, may choose another plan when there is no override).
+        entitlements: the durable record (override, suspension, grants).
+        windows: the plan's windows and what each holds now.
+        events: the most recent charges, most recent first.
+        now_ms: the time the picture was taken, ms since the epoch.
+    """
+
+    user_id: str
+    plan: Plan
+    plan_source: PlanSource
+    entitlements: UserEntitlements
+    windows: tuple[WindowUsage, ...]
+    events: tuple[SpendEvent, ...]
+    now_ms: int
+
+
+class Operator:
+    """Operator actions on users, each with a reason and recorded with its actor.
+
+    Args:
+        store: the durable store.
+        plans: the deployment's plans.
+        budget: the ledger (for windows, spend events and support refunds).
+    """
+
+    def __init__(self, store: EntitlementStore, plans: Plans, budget: TokenBudget) -> None:
+        self.store = store
+        self.plans = plans
+        self.budget = budget
+
+    async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def picture(self, user_id: str) -> Picture:
+        """The user's plan, windows, grants, suspension and recent spend (empty when never
+        seen).
+
+        Raises:
+            StoreUnavailable, LimiterUnavailable: a backend failed.
+        """
+        from ..budget import Window
+
+        record: UserEntitlements = await self._run(self.store.load, user_id)
+        resolved = self.plans.resolve(override=record.override.plan if record.override
+                                      else None)
+        windows = [Window(limit=limit, seconds=seconds)
+                   for limit, seconds in resolved.plan.windows]
+        usage = await self.budget.usage(user_id, windows=windows, events=PICTURE_EVENTS)
+        return Picture(user_id, resolved.plan, resolved.source, record, usage.windows,
+                       usage.events, usage.now_ms)
+
+    async def set_plan(self, user_id: str, plan: str, *, actor: str,
+                       reason: str) -> PlanOverride:
+        """Override the user's plan.
+
+        Raises:
+            InvalidArgument: ``plan`` names no plan of this deployment, or no reason.
+        """
+        if self.plans.get(plan) is None:
+            raise InvalidArgument(f"unknown plan {plan!r}; the plans are "
+                                  f"{', '.join(self.plans.by_name)}")
+        result: PlanOverride = await self._run(self.store.set_override, user_id, plan,
+                                               actor=actor, reason=reason)
+        return result
+
+    async def clear_plan(self, user_id: str, *, actor: str,
+                         reason: str) -> PlanOverride | None:
+        """Remove the user's override; the one removed, or None when there was none."""
+        result: PlanOverride | None = await self._run(self.store.clear_override, user_id,
+                                                      actor=actor, reason=reason)
+        return result
+
+    async def create_grant(self, user_id: str, *, tokens: int, kind: str, reference: str,
+                           expires_at_ms: int | None, actor: str,
+                           reason: str) -> tuple[Grant, bool]:
+        """Create a grant once per reference; (grant, created)."""
+        result: tuple[Grant, bool] = await self._run(
+            self.store.create_grant, user_id, tokens=tokens, kind=kind, reference=reference,
+            expires_at_ms=expires_at_ms, actor=actor, reason=reason)
+        return result
+
+    async def void_grant(self, user_id: str, reference: str, *, actor: str,
+                         reason: str) -> tuple[Grant, bool]:
+        """Void a grant; (grant, voided by this call).
+
+        Raises:
+            NotFound: no grant with this reference.
+        """
+        result: tuple[Grant, bool] = await self._run(self.store.void_grant, user_id,
+                                                     reference, actor=actor, reason=reason)
+        return result
+
+    async def suspend(self, user_id: str, *, reason: str, until_ms: int | None,
+                      actor: str) -> Suspension:
+        """Suspend the user until ``until_ms`` (None: until lifted)."""
+        result: Suspension = await self._run(self.store.suspend, user_id, reason=reason,
+                                             until_ms=until_ms, actor=actor)
+        return result
+
+    async def lift_suspension(self, user_id: str, *, actor: str,
+                              reason: str) -> Suspension | None:
+        """Lift the suspension; the one lifted, or None when there was none."""
+        result: Suspension | None = await self._run(self.store.lift_suspension, user_id,
+                                                    actor=actor, reason=reason)
+        return result
+
+    async def audit(self, user_id: str | None, *, limit: int) -> list[AuditEntry]:
+        """Operator actions, newest first: one user's, or everyone's when None."""
+        result: list[AuditEntry] = await self._run(self.store.audit, user_id, limit=limit)
+        return result
+
+    async def refund(self, user_id: str, request_id: str, *, actor: str,
+                     reason: str) -> tuple[SupportRefund, bool]:
+        """Refund one charge, at most once.
+
+        ``request_id`` is the ledger's id, or the id ``GET /v1/usage`` shows (without its
+        prefix). The refund is claimed in the store first, then made in the ledger, then
+        recorded with its audit entry; a claim left by an attempt that did not finish is
+        completed by the next call (the ledger's refund removes a charge at most once).
+
+        Returns:
+            The refund and True when this call made it; the earlier refund and False.
+
+        Raises:
+            NotFound: no such charge in the user's ledger (never charged, already refunded
+                by the request path, or left the log).
+        """
+        rid, cost, nonce = await self._find_charge(user_id, request_id)
+        claim, created = await self._run(self.store.claim_support_refund, user_id, rid,
+                                         claimed=cost, actor=actor, reason=reason)
+        if claim.tokens is not None:
+            return claim, False
+        # The charge's own nonce: the ledger removes exactly that charge, at most once. No
+        # nonce means the charge left the log after an earlier claim: that attempt refunded.
+        refunded = bool(nonce) and await self.budget.refund(user_id, rid, nonce=nonce)
+        if not refunded and created:
+            # The request path refunded it first (its request failed): nothing to do.
+            await self._run(self.store.drop_support_refund, claim, user_id)
+            raise NotFound(f"no charge {request_id!r} in the user's ledger")
+        # Refunded now, or by the earlier attempt that left this claim unfinished.
+        done: SupportRefund = await self._run(self.store.finish_support_refund, claim,
+                                              user_id, claim.claimed)
+        return done, True
+
+    async def _find_charge(self, user_id: str, request_id: str) -> tuple[str, int, str]:
+        """The ledger id, cost and nonce of ``request_id``: as given, or with the prefix the
+        request path adds (``GET /v1/usage`` shows ids without it). A charge no longer in
+        the log is found through an earlier claim in the store (nonce ``""``).
+
+        Raises:
+            NotFound: neither the ledger nor the store knows the charge.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgument("request_id is required")
+        candidates = (request_id, *(p + request_id for p in REQUEST_ID_PREFIXES))
+        usage = await self.budget.usage(user_id, events=REFUND_SEARCH_EVENTS)
+        charges = {e.request_id: e for e in usage.events}
+        for candidate in candidates:
+            if candidate in charges:
+                return candidate, charges[candidate].cost, charges[candidate].nonce
+        for candidate in candidates:
+            earlier = await self._run(self.store.support_refund, user_id, candidate)
+            if earlier is not None:
+                return candidate, earlier.claimed, ""
+        raise NotFound(f"no charge {request_id!r} in the user's ledger")
+
+    def now_ms(self) -> int:
+        """The operator's clock, ms since the epoch."""
+        return int(time.time() * 1000)

@@ -1,0 +1,112 @@
+"""The operator CLI against ``make serve``: every command, unsigned, through real HTTP, with
+the Redis, emulator and local DynamoDB that make serve starts by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serving import Served, serve
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """make serve as a newcomer runs it (its own Redis, emulator and local DynamoDB), with
+    two plans."""
+    with serve({"ATTO_PLANS": "free=5/1h,50/30d;pro=40/1h,2000/30d",
+                "ATTO_DEFAULT_PLAN": "free"}) as server:
+        yield server
+
+
+def cli(served: Served, *args: str, json_out: bool = True) -> tuple[int, Any, str]:
+    """Run ``python -m atto_admin --url <serve> [--json] ARGS``; (status, stdout, stderr)."""
+    argv = [sys.executable, "-m", "atto_admin", "--url", served.url,
+            *(["--json"] if json_out else []), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tools")}
+    env.pop("AWS_ACCESS_KEY_ID", None)  # nothing is signed locally: no credentials needed
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    body: Any = out.stdout
+    if json_out and out.returncode == 0:
+        body = json.loads(out.stdout)
+    return out.returncode, body, out.stderr
+
+
+def embed(served: Served, user: str, request_id: str | None = None) -> httpx.Response:
+    headers = {"X-Atto-User": user, **({"Idempotency-Key": request_id} if request_id else {})}
+    return httpx.post(served.url + "/v1/embeddings", json={"input": ["x"]}, headers=headers,
+                      timeout=30)
+
+
+def test_every_command_against_make_serve(served: Served) -> None:
+    """show, plan set/clear, grant add (twice) and void, refund (twice), suspend, unsuspend
+    and audit all work unsigned against make serve, audited as the operator `local`."""
+    user = "cli-" + uuid.uuid4().hex[:8]
+    code, picture, _ = cli(served, "show", user)
+    assert code == 0 and picture["plan"]["name"] == "free" and picture["events"] == []
+
+    assert cli(served, "plan", "set", user, "pro", "--reason", "upgrade")[0] == 0
+    assert cli(served, "show", user)[1]["plan"] == {
+        "name": "pro", "source": "override",
+        "windows": [{"limit": 40, "window_s": 3600}, {"limit": 2000, "window_s": 2592000}]}
+    assert cli(served, "plan", "clear", user, "--reason", "trial over")[1]["cleared"] is True
+
+    args = ("grant", "add", user, "--tokens", "500", "--kind", "paid", "--reference", "inv_1",
+            "--expires-at", "2099-01-31T00:00:00Z", "--reason", "bought")
+    first, second = cli(served, *args)[1], cli(served, *args)[1]
+    assert (first["created"], second["created"]) == (True, False)
+    assert second["grant"]["tokens"] == 500
+    assert cli(served, "show", user)[1]["credit"] == 500
+    assert cli(served, "grant", "void", user, "inv_1", "--reason", "mistake")[1]["voided"]
+    assert cli(served, "show", user)[1]["credit"] == 0
+
+    assert embed(served, user, "key-1").status_code == 200
+    refunded = cli(served, "refund", user, "key-1", "--reason", "bad answer")[1]
+    assert refunded["created"] is True and refunded["refund"]["tokens"] == 1
+    assert cli(served, "refund", user, "key-1", "--reason", "again")[1]["created"] is False
+    assert cli(served, "show", user)[1]["windows"][0]["used"] == 0
+
+    suspended = cli(served, "suspend", user, "--reason", "abuse",
+                    "--until", "2099-01-01T00:00:00Z")[1]
+    assert suspended["suspension"]["active"] is True
+    assert cli(served, "unsuspend", user, "--reason", "appeal")[1]["lifted"] is True
+
+    entries = cli(served, "audit", "--user", user)[1]["entries"]
+    assert [e["action"] for e in entries] == [
+        "suspension.lift", "suspension.set", "refund", "grant.void", "grant.create",
+        "plan.clear", "plan.set"]
+    assert {e["by"] for e in entries} == {"local"}
+
+
+def test_readable_output_and_errors(served: Served) -> None:
+    """Without --json the CLI prints lines for a person; an API error exits 1 with its code."""
+    user = "cli-" + uuid.uuid4().hex[:8]
+    code, out, _ = cli(served, "grant", "add", user, "--tokens", "5", "--kind", "promo",
+                       "--reference", "camp-1", "--reason", "welcome", json_out=False)
+    assert code == 0 and out.startswith(f"grant camp-1 for {user} created")
+    code, out, _ = cli(served, "show", user, json_out=False)
+    assert code == 0
+    assert f"user      {user}" in out and "credit    5 tokens in live grants" in out
+    code, _, err = cli(served, "grant", "void", user, "nope", "--reason", "x")
+    assert code == 1 and "HTTP 404 not_found" in err
+    code, _, err = cli(served, "plan", "set", user, "gold", "--reason", "x")
+    assert code == 1 and "HTTP 400 invalid_request" in err and "unknown plan" in err
+
+
+def test_the_plan_header_chooses_the_plan_locally(served: Served) -> None:
+    """In make serve, X-Atto-Plan stands in for the JWT plan claim."""
+    user = "hdr-" + uuid.uuid4().hex[:8]
+    report = httpx.get(served.url + "/v1/usage", timeout=10,
+                       headers={"X-Atto-User": user, "X-Atto-Plan": "pro"}).json()
+    assert report["plan"] == "pro" and report["windows"][0]["limit"] == 40

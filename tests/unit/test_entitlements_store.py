@@ -1,0 +1,174 @@
+"""The DynamoDB entitlements store, against moto: keys, idempotency, voiding, audit order."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from usage_limits.entitlements import NotFound, StoreUnavailable
+from usage_limits.entitlements.config import StoreSettings
+from usage_limits.entitlements.store import EntitlementStore
+from usage_limits.exceptions import InvalidArgument
+
+DAY_MS = 86_400_000
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[EntitlementStore]:
+    """A store on a fresh moto table."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with mock_aws():
+        s = EntitlementStore(StoreSettings(table="entitlements", region="us-east-1"))
+        s.create_table()
+        yield s
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def test_a_user_never_seen_has_an_empty_record(store: EntitlementStore) -> None:
+    """Loading an unknown user gives no override, no suspension and no grants."""
+    record = store.load("nobody")
+    assert (record.override, record.suspension, record.grants) == (None, None, ())
+    assert store.audit("nobody") == []
+
+
+def test_override_set_replace_and_clear(store: EntitlementStore) -> None:
+    """An override is set, replaced by a second, and cleared; each change is audited."""
+    store.set_override("u1", "pro", actor="arn:op", reason="upgrade")
+    store.set_override("u1", "free", actor="arn:op", reason="downgrade")
+    assert store.load("u1").override.plan == "free"  # type: ignore[union-attr]
+    removed = store.clear_override("u1", actor="arn:op", reason="back to claim")
+    assert removed is not None and removed.plan == "free"
+    assert store.load("u1").override is None
+    assert store.clear_override("u1", actor="arn:op", reason="again") is None
+    assert [e.action for e in store.audit("u1")] == ["plan.clear", "plan.set", "plan.set"]
+
+
+def test_grant_creation_is_idempotent_by_reference(store: EntitlementStore) -> None:
+    """The same reference twice returns the first grant and never adds a second one."""
+    first, created = store.create_grant("u2", tokens=500, kind="paid", reference="inv_1",
+                                        expires_at_ms=None, actor="arn:op", reason="bought")
+    again, created_again = store.create_grant("u2", tokens=900, kind="promo",
+                                              reference="inv_1", expires_at_ms=None,
+                                              actor="arn:op", reason="retry")
+    assert (created, created_again) == (True, False)
+    assert again == first and again.tokens == 500 and again.kind == "paid"
+    assert len(store.load("u2").grants) == 1
+    assert [e.action for e in store.audit("u2")] == ["grant.create"]
+
+
+def test_grants_are_per_user(store: EntitlementStore) -> None:
+    """One reference used for two users makes one grant for each."""
+    for user in ("a", "b"):
+        _, created = store.create_grant(user, tokens=5, kind="promo", reference="camp",
+                                        expires_at_ms=None, actor="op", reason="campaign")
+        assert created
+
+
+def test_void_grant_once_and_unknown_reference(store: EntitlementStore) -> None:
+    """Voiding leaves nothing to draw; a second void changes nothing; an unknown one is 404."""
+    store.create_grant("u3", tokens=50, kind="paid", reference="inv_2",
+                       expires_at_ms=now_ms() + DAY_MS, actor="op", reason="bought")
+    grant, voided = store.void_grant("u3", "inv_2", actor="op", reason="chargeback")
+    assert voided and grant.voided is not None and grant.remaining == 0
+    assert not grant.live(now_ms())
+    _, again = store.void_grant("u3", "inv_2", actor="op", reason="again")
+    assert not again
+    with pytest.raises(NotFound):
+        store.void_grant("u3", "nope", actor="op", reason="x")
+    assert [e.action for e in store.audit("u3")] == ["grant.void", "grant.create"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tokens": 0}, "tokens"),
+    ({"tokens": True}, "tokens"),
+    ({"kind": "gift"}, "kind"),
+    ({"reference": "has space"}, "reference"),
+    ({"expires_at_ms": 1000}, "future"),
+    ({"reason": "  "}, "reason"),
+])
+def test_bad_grant_input_writes_nothing(store: EntitlementStore, kwargs: dict[str, object],
+                                        match: str) -> None:
+    """A malformed grant is refused with a clear message and nothing is written."""
+    args: dict[str, object] = {"tokens": 10, "kind": "paid", "reference": "ok",
+                               "expires_at_ms": None, "actor": "op", "reason": "r", **kwargs}
+    with pytest.raises(InvalidArgument, match=match):
+        store.create_grant("u4", **args)  # type: ignore[arg-type]
+    assert store.load("u4").grants == () and store.audit("u4") == []
+
+
+def test_suspension_with_end_and_lift(store: EntitlementStore) -> None:
+    """A suspension records its reason and end; lifting removes it; both are audited."""
+    until = now_ms() + DAY_MS
+    store.suspend("u5", reason="abuse", until_ms=until, actor="op")
+    suspension = store.load("u5").suspension
+    assert suspension is not None and suspension.reason == "abuse"
+    assert suspension.until_ms == until and suspension.active(now_ms())
+    assert not suspension.active(until)
+    lifted = store.lift_suspension("u5", actor="op", reason="appeal granted")
+    assert lifted is not None and store.load("u5").suspension is None
+    assert store.lift_suspension("u5", actor="op", reason="again") is None
+    with pytest.raises(InvalidArgument, match="future"):
+        store.suspend("u5", reason="x", until_ms=1, actor="op")
+
+
+def test_audit_is_newest_first_per_user_and_across_users(store: EntitlementStore) -> None:
+    """Each user's audit and the all-users audit list actions newest first, with who and why."""
+    t = now_ms()
+    store.set_override("x", "pro", actor="arn:alice", reason="r1", now_ms=t)
+    store.suspend("y", reason="r2", until_ms=None, actor="arn:bob", now_ms=t + 1)
+    store.set_override("x", "free", actor="arn:alice", reason="r3", now_ms=t + 2)
+    everyone = store.audit()
+    assert [(e.user_id, e.change.reason) for e in everyone] == \
+        [("x", "r3"), ("y", "r2"), ("x", "r1")]
+    assert everyone[1].change.actor == "arn:bob"
+    assert [e.change.reason for e in store.audit("x", limit=1)] == ["r3"]
+    assert store.audit("x")[0].details == {"plan": "free"}
+
+
+def test_support_refund_claim_finish_and_second_claim(store: EntitlementStore) -> None:
+    """A refund claim is made once; once finished, a second claim returns the record."""
+    claim, created = store.claim_support_refund("u6", "r:abc", claimed=8, actor="op",
+                                                reason="bad answer")
+    assert created and claim.tokens is None and claim.claimed == 8
+    unfinished, created = store.claim_support_refund("u6", "r:abc", claimed=8, actor="op",
+                                                     reason="again")
+    assert not created and unfinished.tokens is None
+    done = store.finish_support_refund(claim, "u6", 8)
+    assert done.tokens == 8
+    again, created = store.claim_support_refund("u6", "r:abc", claimed=8, actor="op",
+                                                reason="again")
+    assert not created and again.tokens == 8
+    assert [(e.action, e.details["tokens"]) for e in store.audit("u6")] == [("refund", 8)]
+
+
+def test_dropped_claim_can_be_made_again(store: EntitlementStore) -> None:
+    """A claim whose charge was not found is dropped and leaves no audit entry."""
+    claim, _ = store.claim_support_refund("u7", "r:zz", claimed=1, actor="op", reason="r")
+    store.drop_support_refund(claim, "u7")
+    assert store.support_refund("u7", "r:zz") is None and store.audit("u7") == []
+
+
+def test_a_missing_table_is_store_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls to a table that does not exist raise StoreUnavailable, not a botocore error."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with mock_aws():
+        s = EntitlementStore(StoreSettings(table="missing", region="us-east-1"))
+        with pytest.raises(StoreUnavailable):
+            s.load("u")
+
+
+def test_store_uses_an_injected_client(store: EntitlementStore) -> None:
+    """A client passed in is used as it is (custom wiring, tests)."""
+    client = boto3.client("dynamodb", region_name="us-east-1")
+    other = EntitlementStore(store.settings, client=client)
+    store.set_override("u8", "pro", actor="op", reason="r")
+    assert other.client is client and other.load("u8").override is not None

@@ -1,0 +1,76 @@
+"""Readable output for a person (``--json`` prints the API's answer instead)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _grant_line(g: dict[str, Any]) -> str:
+    state = "live" if g.get("live") else ("void" if g.get("voided") else "spent/expired")
+    expiry = g.get("expires_at") or "never"
+    return (f"  {g['reference']:<24} {g['kind']:<5} {g['remaining']:>8} of {g['tokens']:<8} "
+            f"expires {expiry:<24} {state}")
+
+
+def _picture(p: dict[str, Any]) -> str:
+    lines = [f"user      {p['user_id']}",
+             f"plan      {p['plan']['name']} ({p['plan']['source']})"]
+    if p.get("override"):
+        o = p["override"]
+        lines.append(f"override  {o['plan']} by {o['by']} at {o['at']}: {o['reason']}")
+    s = p.get("suspension")
+    if s:
+        state = "ACTIVE" if s["active"] else "ended"
+        lines.append(f"suspended {state} until {s['until'] or 'lifted'}, by {s['by']} "
+                     f"since {s['since']}: {s['reason']}")
+    else:
+        lines.append("suspended no")
+    lines.append("windows")
+    for w in p["windows"]:
+        reset = f", frees at {w['resets_at']}" if w.get("resets_at") else ""
+        lines.append(f"  {w['window_s']:>9} s  {w['used']:>8} used of {w['limit']:<8} "
+                     f"{w['remaining']} left{reset}")
+    lines.append(f"credit    {p['credit']} tokens in live grants")
+    for g in p["grants"]:
+        lines.append(_grant_line(g))
+    lines.append(f"events    {len(p['events'])} most recent")
+    for e in p["events"]:
+        lines.append(f"  {e['at']}  {e['cost']:>6}  {e['route']:<28} {e['request_id']}")
+    return "\n".join(lines)
+
+
+def _audit(a: dict[str, Any]) -> str:
+    if not a["entries"]:
+        return "no operator actions"
+    return "\n".join(f"{e['at']}  {e['user_id']:<20} {e['action']:<16} by {e['by']}: "
+                     f"{e['reason']}  {e['details'] or ''}".rstrip() for e in a["entries"])
+
+
+def render(command: str, answer: Any, *, local: bool = False) -> str:
+    """The answer of ``command`` as lines for a person."""
+    if command == "show":
+        return _picture(answer)
+    if command == "audit":
+        return _audit(answer)
+    user = answer.get("user_id", "")
+    if "grant" in answer:
+        verb = ("created" if answer.get("created") else "already existed") \
+            if "created" in answer else ("voided" if answer.get("voided") else "was already void")
+        return f"grant {answer['grant']['reference']} for {user} {verb}\n" + \
+            _grant_line(answer["grant"])
+    if "refund" in answer:
+        r = answer["refund"]
+        verb = "refunded" if answer.get("created") else "was already refunded"
+        return f"{r['request_id']} of {user} {verb}: {r['tokens']} tokens"
+    if "cleared" in answer:
+        return (f"plan override of {user} cleared" if answer["cleared"]
+                else f"{user} had no plan override")
+    if "override" in answer:
+        return f"{user} is now on plan {answer['override']['plan']}"
+    if "lifted" in answer:
+        return (f"suspension of {user} lifted" if answer["lifted"]
+                else f"{user} was not suspended")
+    if "suspension" in answer:
+        s = answer["suspension"]
+        return f"{user} suspended until {s['until'] or 'lifted'}: {s['reason']}"
+    return str(answer)

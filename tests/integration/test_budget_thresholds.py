@@ -139,6 +139,23 @@ def test_each_threshold_is_published_once_with_its_fields(web: tuple[Any, Bus]) 
     assert bus.received() == []
 
 
+def test_the_event_names_the_users_plan(web: tuple[Any, Bus],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With named plans, the event carries the plan the charge was made under and its limit."""
+    handler, bus = web
+    monkeypatch.setenv("ATTO_PLANS", "free=100/1h;pro=200/1h")
+    monkeypatch.setenv("ATTO_DEFAULT_PLAN", "free")
+    monkeypatch.setenv("ATTO_PLAN_CLAIM", "atto_plan")
+    fresh_environment()
+    user = uuid.uuid4().hex
+    for _ in range(16):
+        event = http_event("POST", "/ten", body={}, user=user)
+        event["requestContext"]["authorizer"]["jwt"]["claims"]["atto_plan"] = "pro"
+        assert invoke(handler, event).status == 200
+    assert bus.received() == [{"user": user, "plan": "pro", "window_s": 3600,
+                               "threshold": 80, "used": 160, "limit": 200}]
+
+
 def _process_charges(env: dict[str, str], user: str, count: int, start: Any, out: Any) -> None:
     """One Lambda environment in its own process: ``count`` requests of 1 token each."""
     import os

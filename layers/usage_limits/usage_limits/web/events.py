@@ -50,8 +50,6 @@ DETAIL_TYPES = (USAGE_THRESHOLD, CREDIT_LOW, CREDIT_EXHAUSTED)
 
 #: PutEvents takes at most this many entries per call.
 MAX_ENTRIES = 10
-#: ``plan`` of the events while every user has the one plan of ``ATTO_BUDGET``.
-DEFAULT_PLAN = "default"
 
 
 @dataclass(frozen=True)

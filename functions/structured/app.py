@@ -14,6 +14,7 @@ from fastapi import Depends
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from atto_providers.llm import llm_client
+from atto_providers.patterns import check_schema_patterns
 from usage_limits.web import METERED_RESPONSES, create_app, lambda_handler, require_tokens
 from usage_limits.web.costs import per_started
 
@@ -44,6 +45,7 @@ class StructuredIn(BaseModel):
         except SchemaError as exc:
             raise ValueError(f"not a valid JSON Schema: {exc.message}") from exc
         check_references(schema)
+        check_schema_patterns(schema)  # regexes RE2 can run in linear time, else a 422
         return schema
 
 

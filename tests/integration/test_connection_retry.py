@@ -21,7 +21,8 @@ async def test_stale_connections_after_a_restart_are_retried() -> None:
             # scripts too: NOSCRIPT on the new server, then EVAL, on a reconnected connection
             server.stop(kill=True)
             server.start()
-            reply = await script("throttle_pause")(client, ["ul:{p:retry}:gcra"], ["1000", "0"])
+            reply = await script("throttle_pause")(
+                client, ["ul:{p:retry}:gcra", "ul:{p:retry}:gcra:call:1"], ["1000", "0", "10000"])
             assert float(reply) >= 1000
         finally:
             await client.aclose()

@@ -68,7 +68,7 @@ async def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
             try:
                 a = await th.admit(cost=cost, max_wait_s=limit)
             except ProviderBusy as busy:
-                out["busy"].append([asked, busy.retry_after_s, limit])
+                out["busy"].append([asked, busy.retry_after_s, limit, time.time()])
                 await asyncio.sleep(min(busy.retry_after_s, max(0.0, end - time.time())))
                 continue
             out["grants"].append([a.requested_at, a.slot_at, a.granted_at, a.seq, cost])
@@ -222,7 +222,10 @@ def test_pause_by_one_process_holds_back_all(nodes: dict[str, Any], uid: str) ->
     slots = [g[1] for g in grants]
     # No admitted call reserved a slot past its max_wait_s; each refusal said why.
     assert all(slot - requested <= max_wait + EPS for requested, slot, *_ in grants)
-    assert all(retry > limit - EPS for r in results for _, retry, limit in r["busy"])
+    # (A caller that slept to its slot and found the pause is refused at that later time,
+    # with what was left of its limit.)
+    assert all(retry > limit - (refused - asked) - EPS
+               for r in results for asked, retry, limit, refused in r["busy"])
     # Slots reserved before the pause took effect are at most max_wait away (a request sent
     # while the pause script was on its way may still run before it: until "done"); none
     # reserved after it lies inside it.
@@ -233,8 +236,8 @@ def test_pause_by_one_process_holds_back_all(nodes: dict[str, Any], uid: str) ->
             assert slot >= until - EPS and granted >= until - CLOCK
     # Every process was told to wait until the pause's end; the rate resumed after it.
     for r in results:
-        assert any(pause["done"] <= asked < until and asked + retry >= until - 0.001
-                   for asked, retry, _ in r["busy"]), "a process was not held back"
+        assert any(pause["done"] <= refused < until and refused + retry >= until - 0.001
+                   for _, retry, _, refused in r["busy"]), "a process was not held back"
     assert sum(g[4] for g in grants if g[1] >= until) >= 0.5 * rate * (2.5 - pause_at - pause_s)
     assert_window_bound(slots, [g[4] for g in grants], rate, burst, tol=EPS)
 

@@ -11,6 +11,7 @@ import pytest
 import usage_limits
 from usage_limits.exceptions import CostExceedsLimit, InvalidArgument
 from usage_limits.throttle import (
+    DEFAULT_MAX_PAUSE_S,
     DEFAULT_PAUSE_S,
     ProviderThrottle,
     UpstreamRateLimited,
@@ -135,9 +136,28 @@ async def test_invalid_max_wait_is_rejected(wait: Any) -> None:
         await make().acquire(max_wait_s=wait)
 
 
-@pytest.mark.parametrize("seconds", [-1, float("inf"), float("nan")])
-async def test_invalid_pause_is_rejected(seconds: float) -> None:
-    """A pause must be a finite number of seconds >= 0."""
+@pytest.mark.parametrize(("seconds", "expected"), [
+    (2.5, 2.5), (0, 0.0), (1e9, DEFAULT_MAX_PAUSE_S), (float("inf"), DEFAULT_PAUSE_S),
+    (float("-inf"), DEFAULT_PAUSE_S), (float("nan"), DEFAULT_PAUSE_S), (-1, DEFAULT_PAUSE_S),
+    (None, DEFAULT_PAUSE_S)])
+def test_pause_is_bounded(seconds: float | None, expected: float) -> None:
+    """A pause is at most the maximum; a negative or non-finite one gets the default."""
+    assert make().bounded_pause_s(seconds) == expected
+
+
+def test_max_pause_is_configurable() -> None:
+    """``<PROVIDER>_MAX_PAUSE_S`` sets the longest pause, within 0 < s <= 300."""
+    th = ProviderThrottle.from_env(NoRedis(), "llm", env={"LLM_MAX_PAUSE_S": "5"})  # type: ignore[arg-type]
+    assert th.max_pause_s == 5
+    assert th.bounded_pause_s(600) == 5
+    for bad in ("0", "301", "inf", "soon"):
+        with pytest.raises(InvalidArgument, match="LLM_MAX_PAUSE_S"):
+            ProviderThrottle.from_env(NoRedis(), "llm", env={"LLM_MAX_PAUSE_S": bad})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seconds", ["1", True])
+async def test_pause_of_a_non_number_is_rejected(seconds: Any) -> None:
+    """A pause must be a number of seconds (a programming error otherwise)."""
     with pytest.raises(InvalidArgument):
         await make().pause(seconds)
 

@@ -6,17 +6,26 @@ map the answer:
 
 - 2xx: the JSON body;
 - 429: pause the provider for every instance for its ``Retry-After``, then try again if
-  the deadline allows (else 503 ``provider_busy``);
+  the deadline allows (else 503 ``provider_busy``). The pause is bounded: a Retry-After
+  longer than ``<NAME>_MAX_PAUSE_S`` (default 60 s) pauses for that long, and one that is
+  not a finite number of seconds or an HTTP date in the future (``inf``, ``nan``, ``-3``,
+  text) pauses for ``DEFAULT_PAUSE_S`` (1 s);
 - anything else, a timeout or a network error: 502 ``provider_error``.
 
-The web layer refunds the user's tokens for both 502 and 503.
+The whole call (connecting, sending, every byte of the answer) is bounded by the request's
+deadline with ``asyncio.timeout``: httpx's own timeouts are per phase, so an answer that
+trickles in a byte at a time would never trip them. The web layer refunds the user's tokens
+for both 502 and 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import logging
+import math
 import os
+import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -53,13 +62,27 @@ def http_client() -> httpx.AsyncClient:
     return _http
 
 
-def retry_after_s(response: httpx.Response, default: float = 1.0) -> float:
-    """The ``Retry-After`` of a response in seconds (delta form; HTTP dates fall back)."""
-    value = response.headers.get("retry-after", "")
+def retry_after_s(response: httpx.Response) -> float | None:
+    """The ``Retry-After`` of a response in seconds, or None when it says nothing usable.
+
+    Both forms are read: delta seconds (``120``, ``1.5``) and an HTTP date. A value that is
+    not a finite number >= 0 (``inf``, ``nan``, ``-3``), an unreadable one, or a date in the
+    past gives None, which ``ProviderThrottle.bounded_pause_s`` turns into the default pause;
+    it also bounds the result by the provider's maximum pause.
+    """
+    value = response.headers.get("retry-after", "").strip()
+    if not value:
+        return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        return default
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = when.timestamp() - time.time()
+        return seconds if seconds > 0 else None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 class ProviderClient:
@@ -133,12 +156,15 @@ class ProviderClient:
                 left = remaining_s()
                 if left < MIN_CALL_S:
                     raise ProviderBusy(self.name, 1.0, f"no time left to call {self.name}")
-                request.extensions["timeout"] = httpx.Timeout(
-                    min(DEFAULT_TIMEOUT_S, left)).as_dict()
+                limit_s = min(DEFAULT_TIMEOUT_S, left)
+                request.extensions["timeout"] = httpx.Timeout(limit_s).as_dict()
                 obs.provider_count(self.name, obs.PROVIDER_CALLS, cost)
                 try:
-                    response = await client.send(request)
-                except httpx.TimeoutException as exc:
+                    # The whole exchange, not each phase: a trickling body resets httpx's
+                    # read timeout with every byte.
+                    async with asyncio.timeout(limit_s):
+                        response = await client.send(request)
+                except (httpx.TimeoutException, TimeoutError) as exc:
                     raise ProviderError(f"the {self.name} provider timed out",
                                         provider=self.name) from exc
                 except httpx.HTTPError as exc:
@@ -148,7 +174,7 @@ class ProviderClient:
                                unit="Milliseconds")
             if response.status_code == 429:
                 obs.provider_count(self.name, obs.UPSTREAM_429)
-                wait = retry_after_s(response)
+                wait = self.throttle.bounded_pause_s(retry_after_s(response))
                 log.warning("%s answered 429; pausing every instance for %.2fs", self.name, wait)
                 await self.throttle.pause(wait)
                 if wait >= remaining_s() - MIN_CALL_S:

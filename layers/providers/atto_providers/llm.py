@@ -20,6 +20,7 @@ from typing import Any
 from usage_limits.web.errors import InvalidRequest, ProviderError
 
 from .base import ProviderClient
+from .patterns import UnsupportedPattern, check_schema_patterns, validator_for
 from .secrets import provider_secret
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -64,9 +65,15 @@ class LLMClient(ProviderClient):
         """Ask for a JSON value valid for ``schema``; the answer is checked before it returns.
 
         Raises:
+            InvalidRequest: the schema has a regex that cannot be checked in linear time
+                (refused before the provider is called).
             ProviderError: the provider failed, or its answer is not valid for the schema.
             ProviderBusy: no provider slot within the deadline.
         """
+        try:
+            check_schema_patterns(schema)
+        except UnsupportedPattern as exc:
+            raise InvalidRequest(f"the schema cannot be checked: {exc}") from exc
         body = {
             "model": _choose(model, self.model, self.models),
             "messages": [{"role": "system", "content": SYSTEM_PROMPT},
@@ -136,13 +143,14 @@ def _check(value: Any, schema: dict[str, Any]) -> None:
 
     The schema is the caller's: an empty ``referencing.Registry`` keeps every ``$ref`` to a
     URL unresolved. jsonschema's default registry downloads such references, which would let
-    a request make this function send GET requests anywhere it can reach.
+    a request make this function send GET requests anywhere it can reach. The schema's
+    regexes run on RE2, in linear time (see ``atto_providers.patterns``).
     """
     import jsonschema
     from referencing import Registry
     from referencing.exceptions import Unresolvable
 
-    validator = jsonschema.validators.validator_for(schema)(schema, registry=Registry())
+    validator = validator_for(schema, Registry())
     try:
         error = jsonschema.exceptions.best_match(validator.iter_errors(value))
     except (Unresolvable, RecursionError) as exc:

@@ -7,6 +7,12 @@ granted only when it is among the first ``free`` queued callers (see
 ``lua/throttle_lease_acquire.lua``). A queued caller keeps its entry alive by re-checking at
 least every ``WAITER_TTL_S / 3``; a dead waiter leaves the queue on its own.
 
+Every script call is idempotent: a re-sent acquire (redis-py re-sends a script whose reply
+was lost) finds the caller's own lease and answers "granted" instead of queueing the caller
+behind itself, and a released id (a caller that left) is never granted again, so an acquire
+held up in the network cannot leak a lease. Expiries are kept on the provider's shared
+lease clock (the latest caller time seen), not on each caller's own clock.
+
 Waking up: a release publishes on the provider's channel. On a standalone client, one
 subscription per process and provider (alive only while somebody waits) turns messages
 into wake-ups; waiters treat them as hints and always re-check with the script. Cluster
@@ -51,8 +57,9 @@ class LeaseCheck:
         granted: the lease is held now.
         rank: 0-based place in the queue, -1 when not queued.
         free: leases free at the time of the check (may be <= 0).
-        expiry_at: epoch seconds when to check again at the latest: enough leases will have
-            expired for this caller's turn, or a queue entry ahead expires (None: unknown).
+        expiry_at: epoch seconds (on the provider's shared lease clock) when to check again
+            at the latest: enough leases will have expired for this caller's turn, or a
+            queue entry ahead expires (None: unknown).
     """
 
     granted: bool
@@ -75,7 +82,8 @@ class LeaseSemaphore:
         self.lease_s = lease_s
         self._client = client
         # Cluster safety: every key (and the channel name) carries the provider's hash tag.
-        self._keys = provider_keys(provider, "leases", "waiters", "wexpiry")
+        self._keys = provider_keys(provider, "leases", "waiters", "wexpiry", "lclock",
+                                   "released")
         [self._channel] = provider_keys(provider, "free")
         self._wakeups = _Wakeups(client, self._channel) if _has_pubsub(client) else None
 
@@ -132,7 +140,9 @@ class LeaseSemaphore:
         """
         try:
             released = await script("throttle_lease_release")(
-                self._client, self._keys, [lease_id, self._channel])
+                self._client, self._keys, [lease_id, self._channel,
+                                           f"{time.time() * 1000:.3f}",
+                                           f"{self.lease_s * 1000:.3f}"])
         except LimiterUnavailable as exc:
             log.warning("could not release a %s lease (it expires by itself): %s",
                         self.provider, exc)

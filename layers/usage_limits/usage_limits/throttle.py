@@ -8,6 +8,15 @@ and returns the delay; the caller sleeps until its slot. Reservations are ordere
 slot lies past its wait limit (by default the request's deadline) reserves nothing and gets
 ``ProviderBusy`` with a true ``retry_after_s``.
 
+A caller that sleeps to its slot asks Redis once more, just before its slot (three of its
+round trips early, 5 to 50 ms), whether the provider will be paused when it calls (an
+upstream 429 seen by another caller meanwhile): if so it gives its slot up and takes one
+after the pause, within its wait limit, or gets ``ProviderBusy``. A caller whose slot is
+immediate (or less than that lead away) makes no second call. Every script call carries an
+id of its own, and a call run twice (redis-py re-sends a script whose reply was lost)
+reserves once.
+An upstream's Retry-After is bounded by ``max_pause_s`` (``<PROVIDER>_MAX_PAUSE_S``).
+
 Example:
     >>> llm = ProviderThrottle.from_env(redis, "llm", default_rate="20/s")
     >>> async with llm.slot(cost=1) as waited_s:     # ProviderBusy when no slot in time
@@ -26,6 +35,7 @@ import math
 import os
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -47,13 +57,27 @@ R = TypeVar("R")
 #: Suffixes of the environment variables read by ``ProviderThrottle.from_env``.
 ENV_RATE, ENV_BURST, ENV_CONCURRENCY = "_RATE", "_BURST", "_CONCURRENCY"
 ENV_JITTER = "_JITTER_MS"
+ENV_MAX_PAUSE = "_MAX_PAUSE_S"
 #: Default dispatch jitter allowance, as a share of the rate's period (see ``ProviderThrottle``'s
 #: ``jitter_s``): 15 ms for a per-second rate, 0.9 s for a per-minute one; 1.5% of the rate.
 DEFAULT_JITTER_SHARE = 0.015
 #: Re-admissions of a caller that woke too late, before it gives up with ProviderBusy.
 MAX_READMISSIONS = 3
-#: Cooldown used when an upstream 429 carried no Retry-After.
+#: Cooldown used when an upstream 429 carried no usable Retry-After (absent, unreadable,
+#: negative or not finite).
 DEFAULT_PAUSE_S = 1.0
+#: Longest pause an upstream's Retry-After may impose (``<PROVIDER>_MAX_PAUSE_S``), as
+#: ``fetch.py`` bounds a page's; ``MAX_PAUSE_LIMIT_S`` bounds the setting itself.
+DEFAULT_MAX_PAUSE_S = 60.0
+MAX_PAUSE_LIMIT_S = 300.0
+#: The recheck for a pause is sent three of the acquire's round trips before the slot, at
+#: least 5 ms and at most 50 ms, so that its answer is back by the slot even when one round
+#: trip takes longer than the last (a late answer would cost the caller its slot).
+MIN_RECHECK_LEAD_S = 0.005
+MAX_RECHECK_LEAD_S = 0.05
+#: How long a script call's answer is kept for a re-send of the same call (redis-py re-sends
+#: within its socket timeout and backoff; a command held up in the network arrives later).
+ANSWER_TTL_S = 10.0
 #: ``asyncio.sleep`` wakes up to ~1 ms late (epoll rounds its timeout up to whole ms); the
 #: last part of a wait is spent yielding to the loop until the slot's time. Measured with 8
 #: processes x 25 tasks: median lateness 0.01 ms. Spinning longer (5 ms) did not shorten the
@@ -125,6 +149,8 @@ class ProviderThrottle:
             ``per_s``: 15 ms for a per-second rate, 0.9 s for a per-minute one (where a
             cold connection's first round trip must not cost a slot of several seconds).
             0 gives exact GCRA spacing and never re-admits.
+        max_pause_s: the longest pause ``pause`` sets, whatever the upstream asked for,
+            0 < max_pause_s <= ``MAX_PAUSE_LIMIT_S`` (default ``DEFAULT_MAX_PAUSE_S``).
 
     Raises:
         InvalidArgument: an argument is out of range.
@@ -132,7 +158,8 @@ class ProviderThrottle:
 
     def __init__(self, redis: AnyRedis, provider: str, *, rate: float, per_s: float = 1.0,
                  burst: float = 1, max_concurrency: int | None = None,
-                 lease_s: float = 30.0, jitter_s: float | None = None) -> None:
+                 lease_s: float = 30.0, jitter_s: float | None = None,
+                 max_pause_s: float = DEFAULT_MAX_PAUSE_S) -> None:
         if not isinstance(provider, str) or not provider:
             raise InvalidArgument("provider must be a non-empty string")
         self.provider = provider
@@ -154,9 +181,15 @@ class ProviderThrottle:
                 0 <= jitter_s < self.per_s):
             raise InvalidArgument(f"jitter_s must be >= 0 and below per_s, got {jitter_s!r}")
         self.jitter_s = float(jitter_s)
+        self.max_pause_s = _positive("max_pause_s", max_pause_s)
+        if self.max_pause_s > MAX_PAUSE_LIMIT_S:
+            raise InvalidArgument(f"max_pause_s must be at most {MAX_PAUSE_LIMIT_S:g}, "
+                                  f"got {max_pause_s!r}")
         self._client = redis
-        # Cluster safety: every key of the provider shares the tag {p:<provider>}.
-        self._keys = provider_keys(provider, "gcra")
+        # Cluster safety: every key of the provider shares the tag {p:<provider>}; so does
+        # each call's answer key (see _answer_key).
+        self._state_key, self._answer_prefix = provider_keys(provider, "gcra", "gcra:call:")
+        self._answer_ttl_ms = f"{ANSWER_TTL_S * 1000:.0f}"
         self._interval_ms = repr((self.per_s + self.jitter_s) * 1000.0 / self.rate)
         self._semaphore: LeaseSemaphore | None = None
         if max_concurrency is not None:
@@ -179,8 +212,10 @@ class ProviderThrottle:
                  default_burst: float = 1, default_concurrency: int | None = None,
                  lease_s: float = 30.0,
                  env: Mapping[str, str] | None = None) -> ProviderThrottle:
-        """A throttle configured by ``<PROVIDER>_RATE``, ``_BURST``, ``_CONCURRENCY`` and
-        ``_JITTER_MS`` (the dispatch jitter allowance, default 1.5% of the rate's period).
+        """A throttle configured by ``<PROVIDER>_RATE``, ``_BURST``, ``_CONCURRENCY``,
+        ``_JITTER_MS`` (the dispatch jitter allowance, default 1.5% of the rate's period) and
+        ``_MAX_PAUSE_S`` (the longest pause an upstream 429 may impose, default 60 s, at
+        most 300 s).
 
         ``<PROVIDER>`` is the provider's name upper-cased, other characters than letters and
         digits replaced by ``_`` (``"salary-api"`` reads ``SALARY_API_RATE``). An unset or
@@ -235,9 +270,22 @@ class ProviderThrottle:
             except ValueError:
                 raise InvalidArgument(f"{jitter_name}={jitter_text!r} is not a number") from None
 
+        pause_name = prefix + ENV_MAX_PAUSE
+        pause_text = env.get(pause_name, "").strip()
+        max_pause_s = DEFAULT_MAX_PAUSE_S
+        if pause_text:
+            try:
+                max_pause_s = float(pause_text)
+            except ValueError:
+                raise InvalidArgument(f"{pause_name}={pause_text!r} is not a number") from None
+            if not (math.isfinite(max_pause_s) and 0 < max_pause_s <= MAX_PAUSE_LIMIT_S):
+                raise InvalidArgument(f"{pause_name}={pause_text!r} must be a number of "
+                                      f"seconds above 0 and at most {MAX_PAUSE_LIMIT_S:g}")
+
         try:
             return cls(redis, provider, rate=rate, per_s=per_s, burst=burst,
-                       max_concurrency=concurrency, lease_s=lease_s, jitter_s=jitter_s)
+                       max_concurrency=concurrency, lease_s=lease_s, jitter_s=jitter_s,
+                       max_pause_s=max_pause_s)
         except InvalidArgument as exc:
             raise InvalidArgument(f"{prefix}_*: {exc}") from None
 
@@ -298,24 +346,41 @@ class ProviderThrottle:
         finally:
             await semaphore.release(lease)
 
+    def bounded_pause_s(self, seconds: float | None) -> float:
+        """The pause an upstream's Retry-After of ``seconds`` gets: at most ``max_pause_s``.
+
+        None, a negative or a non-finite value (``inf``, ``nan``) gets ``DEFAULT_PAUSE_S``.
+
+        Raises:
+            InvalidArgument: ``seconds`` is not a number.
+        """
+        if seconds is None:
+            return min(DEFAULT_PAUSE_S, self.max_pause_s)
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise InvalidArgument(f"pause seconds must be a number, got {seconds!r}")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            seconds = DEFAULT_PAUSE_S
+        return min(float(seconds), self.max_pause_s)
+
     async def pause(self, seconds: float) -> float:
         """Hold back every instance's new slots for ``seconds`` (after an upstream 429).
 
-        Extends an existing pause, never shortens it. Slots reserved before the pause keep
-        their time (at most their callers' wait limit away).
+        The pause is bounded by ``bounded_pause_s``: at most ``max_pause_s``, and
+        ``DEFAULT_PAUSE_S`` for a negative or non-finite value. Extends an existing pause,
+        never shortens it. Callers that slept to a slot inside the pause take a new slot
+        after it (see ``admit``).
 
         Returns:
             Epoch seconds when the provider's pause ends.
 
         Raises:
-            InvalidArgument: ``seconds`` is negative or not finite.
+            InvalidArgument: ``seconds`` is not a number.
             LimiterUnavailable: Redis failed.
         """
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not (
-                math.isfinite(seconds) and seconds >= 0):
-            raise InvalidArgument(f"pause seconds must be a finite number >= 0, got {seconds!r}")
+        pause_s = self.bounded_pause_s(seconds)
         until = await script("throttle_pause")(
-            self._client, self._keys, [f"{time.time() * 1000:.3f}", f"{seconds * 1000:.3f}"])
+            self._client, [self._state_key, self._answer_key()],
+            [f"{time.time() * 1000:.3f}", f"{pause_s * 1000:.3f}", self._answer_ttl_ms])
         return float(until) / 1000
 
     async def call(self, fn: Callable[[], Awaitable[R]], *, cost: float = 1, retries: int = 0,
@@ -341,7 +406,7 @@ class ProviderThrottle:
                 except UpstreamRateLimited as exc:
                     limited = exc
             until = await self.pause(limited.retry_after_s)
-            retry_after = max(limited.retry_after_s, until - time.time())
+            retry_after = max(self.bounded_pause_s(limited.retry_after_s), until - time.time())
             if attempt >= retries or retry_after >= deadline.remaining_s():
                 raise ProviderBusy(self.provider, retry_after,
                                    f"provider {self.provider!r} is rate limiting us; "
@@ -352,30 +417,54 @@ class ProviderThrottle:
         loop = asyncio.get_running_loop()
         requested = time.time()
         start = loop.time()
-        now = requested
+        now = call_at = requested
+        recheck = False
+        slot_at, seq, due = requested, 0, start
         for _ in range(MAX_READMISSIONS + 1):
             # Wall clock first, loop clock second: a pause between the two readings can
             # only make this caller wake late, never before its slot.
             asked = loop.time()
-            reply = await script("throttle_acquire")(self._client, self._keys, [
-                f"{now * 1000:.3f}", self._interval_ms, repr(self.burst), repr(cost),
-                f"{max(0.0, limit_s - (asked - start)) * 1000:.3f}"])
+            reply = await script("throttle_acquire")(
+                self._client, [self._state_key, self._answer_key()], [
+                    f"{now * 1000:.3f}", self._interval_ms, repr(self.burst), repr(cost),
+                    f"{max(0.0, limit_s - (asked - start)) * 1000:.3f}",
+                    self._answer_ttl_ms, 1 if recheck else 0, f"{call_at * 1000:.3f}"])
+            round_trip = loop.time() - asked
+            admitted = int(reply[0])
             wait_s = float(reply[1]) / 1000
-            if not int(reply[0]):
+            if admitted == 0:
                 raise ProviderBusy(self.provider, wait_s)
-            due = asked + wait_s
+            if admitted == 1:
+                slot_at, seq = float(reply[2]) / 1000, int(reply[3])
+                due = asked + wait_s
+                lead = min(MAX_RECHECK_LEAD_S, max(MIN_RECHECK_LEAD_S, 3 * round_trip))
+                if due - loop.time() > lead:
+                    # It sleeps: an upstream 429 may pause the provider meanwhile. Just
+                    # before the slot, one more round trip either lets it go at its slot
+                    # or moves it to a slot after the pause.
+                    await _sleep_until(loop, due - lead)
+                    now = time.time()
+                    call_at = now + (due - loop.time())
+                    recheck = True
+                    continue
+            # admitted == 2: a recheck found no pause at this caller's slot.
             await _sleep_until(loop, due)
             # Woken later than the provider's counting can absorb (a busy loop or host):
             # going now could put one call too many into a window. Take a new slot instead;
             # the old one stays unused.
-            if self.jitter_s == 0 or loop.time() - due <= self.jitter_s:
-                return Admission(waited_s=loop.time() - start, requested_at=requested,
-                                 slot_at=float(reply[2]) / 1000, granted_at=time.time(),
-                                 seq=int(reply[3]))
-            now = time.time()
+            if self.jitter_s != 0 and loop.time() - due > self.jitter_s:
+                now = call_at = time.time()
+                recheck = False
+                continue
+            return Admission(waited_s=loop.time() - start, requested_at=requested,
+                             slot_at=slot_at, granted_at=time.time(), seq=seq)
         raise ProviderBusy(self.provider, self.interval_s,
                            f"provider {self.provider!r}: this instance keeps waking too late "
                            f"for its slots")
+
+    def _answer_key(self) -> str:
+        """A fresh key for one script call's answer (its id), in the provider's slot."""
+        return self._answer_prefix + uuid.uuid4().hex
 
     def _check_cost(self, cost: float) -> float:
         cost = _positive("cost", cost)

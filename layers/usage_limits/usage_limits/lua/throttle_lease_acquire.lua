@@ -7,9 +7,21 @@ is granted only when it is among the first `free` queued callers, so nobody over
 queued caller must come back (call again) before its queue entry expires, so a dead waiter
 blocks nobody for longer than waiter_ttl_ms.
 
-KEYS[1]  leases    zset: lease id -> lease expiry, ms since the epoch
+Clock: every expiry is set and compared on the provider's shared lease clock, the latest
+caller time seen (it never runs back), not on the caller's own clock. A caller whose clock
+runs behind still gets a whole lease; one whose clock runs ahead moves the shared clock once,
+after which leases are granted on that clock too, so it cannot keep expiring them early.
+
+Idempotent per call: a caller that holds a live lease is answered "granted" again (redis-py
+re-sends a script whose reply was lost; the caller must not queue behind its own lease), and
+an id that was released (or gave up waiting) is never granted again (a call held up in the
+network that arrives after the caller left must not leak a lease).
+
+KEYS[1]  leases    zset: lease id -> lease expiry, ms on the shared clock
 KEYS[2]  waiters   zset: lease id -> ticket (arrival order)
-KEYS[3]  wexpiry   zset: lease id -> queue entry expiry, ms since the epoch
+KEYS[3]  wexpiry   zset: lease id -> queue entry expiry, ms on the shared clock
+KEYS[4]  clock     string: the shared lease clock, ms since the epoch
+KEYS[5]  released  zset: released lease id -> tombstone expiry, ms (see throttle_lease_release)
 ARGV[1]  now_ms         caller's clock, ms since the epoch (float)
 ARGV[2]  limit          max_concurrency: leases that may be held at once (>= 1)
 ARGV[3]  lease_ms       lease length, ms
@@ -18,14 +30,14 @@ ARGV[5]  waiter_ttl_ms  how long a queue entry lives without the caller coming b
 ARGV[6]  queue          1: join (or stay in) the queue when not granted; 0: try only
 
 Returns {granted, rank, free, expiry_ms}:
-  granted    1 when the lease was taken (the caller now holds it until released or expired)
+  granted    1 when the lease is held (the caller holds it until released or expired)
   rank       0-based place in the queue (-1 when not queued)
   free       leases free now (limit minus live leases; may be <= 0)
-  expiry_ms  (string) when to check again at the latest: enough live leases will have
-             expired for this caller's turn, or a queue entry expires; "" when not known
+  expiry_ms  (string) when to check again at the latest, on the shared clock: enough live
+             leases will have expired for this caller's turn, or a queue entry expires;
+             "" when not known
 ]]
-local leases, waiters, wexpiry = KEYS[1], KEYS[2], KEYS[3]
-local now = tonumber(ARGV[1])
+local leases, waiters, wexpiry, clock_key, released = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local limit = tonumber(ARGV[2])
 local lease_ms = tonumber(ARGV[3])
 local id = ARGV[4]
@@ -37,8 +49,13 @@ local function keep(key, ms)
   if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, ms) end
 end
 
--- Expired leases (dead holders) and expired queue entries (dead waiters) free their place.
+local now = math.max(tonumber(redis.call('GET', clock_key)) or 0, tonumber(ARGV[1]))
+redis.call('SET', clock_key, string.format('%.3f', now), 'KEEPTTL')
+keep(clock_key, math.ceil(math.max(lease_ms, waiter_ttl)) + 1000)
+
+-- Expired leases (dead holders), expired queue entries (dead waiters) and old tombstones.
 redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+redis.call('ZREMRANGEBYSCORE', released, '-inf', now)
 local dead = redis.call('ZRANGEBYSCORE', wexpiry, '-inf', now, 'LIMIT', 0, 1000)
 if #dead > 0 then
   redis.call('ZREM', waiters, unpack(dead))
@@ -47,6 +64,13 @@ end
 
 local held = redis.call('ZCARD', leases)
 local free = limit - held
+if redis.call('ZSCORE', leases, id) then
+  return {1, -1, free, ''}  -- this call ran before: the caller holds its lease
+end
+if redis.call('ZSCORE', released, id) then
+  return {0, -1, free, ''}  -- the caller released this id and left: nothing to grant
+end
+
 local rank = redis.call('ZRANK', waiters, id)
 if not rank then
   -- A new arrival queues behind everyone already waiting.

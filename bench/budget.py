@@ -114,16 +114,24 @@ class Ledger:
     """One user's window of n events, kept at steady state by successive reservations."""
 
     def __init__(self, client: aioredis.Redis, budget: TokenBudget, naive_sha: str,
-                 n: int) -> None:
+                 n: int, prefix: str = "bench") -> None:
         self.client, self.budget, self.naive_sha, self.n = client, budget, naive_sha, n
-        self.user, self.step, self.k = f"bench-{n}", spacing_ms(n), 0
+        self.user, self.step, self.k = f"{prefix}-{n}", spacing_ms(n), 0
+
+    async def prepare(self) -> float:
+        """Fill the window with n events and warm up; returns the bytes per event."""
+        await fill(self.client, self.budget, self.user, self.n)
+        memory = await bytes_per_event(self.client, self.user, self.n)
+        for _ in range(WARM_UP):
+            await self.reserve()
+        return memory
 
     async def reserve(self) -> None:
         # the call at (n + k) * step retires event k as it adds one: n stays constant
         d = await self.budget.reserve(self.user, f"m{self.k:015d}", 1, route=ROUTE,
                                       now_ms=T0 + (self.n + self.k) * self.step)
         self.k += 1
-        assert d.allowed and d.windows[0].used == self.n, d
+        assert d.allowed and d.windows[-1].used == self.n, d
 
     async def naive(self) -> None:
         log, ev = user_keys(self.user, "log", "ev")
@@ -145,12 +153,7 @@ async def run(quick: bool) -> None:
             await client.evalsha(trivial_sha, 0)
 
         ledgers = [Ledger(client, budget, naive_sha, n) for n in SIZES]
-        memory = []
-        for ledger in ledgers:
-            await fill(client, budget, ledger.user, ledger.n)
-            memory.append(await bytes_per_event(client, ledger.user, ledger.n))
-            for _ in range(WARM_UP):
-                await ledger.reserve()
+        memory = [await ledger.prepare() for ledger in ledgers]
         base = Series()
         reserves = [Series() for _ in ledgers]
         naives = [Series() for _ in ledgers]

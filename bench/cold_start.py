@@ -30,6 +30,10 @@ What each run is, and why the comparison is fair:
 - ``--secrets``: provider keys come from Secrets Manager, as in the cloud (``*_SECRET_ARN``
   from the template, served by a local stub via ``AWS_ENDPOINT_URL_SECRETS_MANAGER``), so
   the lazy variant pays for boto3 on its first secret read just as it would in Lambda.
+- Only what a Lambda environment has is importable: the deps layer's pinned packages, the
+  runtime's boto3 and the project's layers. Other venv packages (dev tools) are hidden from
+  the child, since some libraries import optional extras when present (httpx imports its
+  command line, rich and click, if they are installed).
 - The redis-server is flushed before every run: each run sees an empty budget and
   throttle, as a new user would, and never waits for a provider slot.
 - Job extraction's event names a page on the internet; the bench points its ``url`` at
@@ -61,9 +65,21 @@ BENCH = ROOT / "bench"
 LAYERS = [ROOT / "layers" / "usage_limits", ROOT / "layers" / "providers"]
 sys.path[:0] = [str(ROOT)]
 
+#: Set in a child's environment: top-level modules to hide from it (comma-separated).
+HIDE_ENV = "BENCH_HIDE_MODULES"
+#: Distributions a Lambda environment has besides the deps layer: the runtime's boto3 and its
+#: dependencies, its snapshot-restore-py, this project's layers, and the eager variant's
+#: X-Ray SDK.
+RUNTIME_DISTRIBUTIONS = {"boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "six",
+                         "urllib3", "snapshot-restore-py", "atto-cloud-usage-limits",
+                         "aws-xray-sdk", "wrapt", "pip", "setuptools"}
+
 #: The child: read the event, then time import + first invocation (printed as one line).
 CHILD = r"""
-import importlib, json, sys, time
+import importlib, json, os, sys, time
+
+for name in filter(None, os.environ.get("BENCH_HIDE_MODULES", "").split(",")):
+    sys.modules[name] = None  # not in a Lambda environment: importing it fails there too
 
 class Context:
     function_name, aws_request_id, memory_limit_in_mb = sys.argv[3], "cold-start", 512
@@ -122,6 +138,30 @@ class SecretsStub(BaseHTTPRequestHandler):
         pass
 
 
+def lambda_hidden_modules() -> list[str]:
+    """Top-level modules of the venv that a Lambda environment does not have.
+
+    The venv holds dev tools too, and some packages import optional extras when present:
+    httpx imports its command line (rich, click, pygments) when they are installed, which
+    costs a cold start in the venv what it never costs in Lambda. Children hide every
+    module whose distributions are neither in ``layers/deps/requirements.txt`` nor
+    ``RUNTIME_DISTRIBUTIONS``.
+    """
+    import importlib.metadata as metadata
+    import re
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    pinned = [line.split("==")[0] for line in
+              (ROOT / "layers" / "deps" / "requirements.txt").read_text().splitlines()
+              if "==" in line and not line.lstrip().startswith("#")]
+    allowed = {norm(name) for name in [*pinned, *RUNTIME_DISTRIBUTIONS]}
+    return sorted(module for module, dists in metadata.packages_distributions().items()
+                  if module.isidentifier() and not module.startswith("_")
+                  and not any(norm(d) in allowed for d in dists))
+
+
 def secret_variables(logical_id: str) -> list[str]:
     """The ``*_SECRET_ARN`` variables template.yaml gives this function."""
     from local.template import load_template
@@ -146,7 +186,7 @@ def child_env(spec: Any, redis_url: str, emulator: Any, *, tracing: bool,
         "AWS_LAMBDA_FUNCTION_MEMORY_SIZE": "512", "AWS_REGION": "us-east-1",
         "AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "cold-start",
         "AWS_SECRET_ACCESS_KEY": "cold-start", "AWS_SESSION_TOKEN": "cold-start",
-        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_EC2_METADATA_DISABLED": "true", HIDE_ENV: ",".join(lambda_hidden_modules()),
     })
     if tracing:
         env["_X_AMZN_TRACE_ID"] = ("Root=1-5759e988-bd862e3fe1be46a994272793;"
@@ -178,13 +218,15 @@ def event_file(spec: Any, emulator: Any, folder: Path) -> Path:
     return path
 
 
-def run_once(spec: Any, module: str, event: Path, env: dict[str, str]) -> dict[str, float]:
-    """One fresh interpreter: import ``module`` and answer ``event`` with its handler."""
+def run_once(spec: Any, module: str, event: Path, env: dict[str, str],
+             tree: Path = ROOT) -> dict[str, float]:
+    """One fresh interpreter: import ``module`` and answer ``event`` with its handler, in the
+    function's code directory of the checkout at ``tree``."""
     attribute = spec.handler.rpartition(".")[2]
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(event), module, spec.logical_id, str(spec.timeout),
          attribute],
-        cwd=ROOT / spec.code_dir, env=env, capture_output=True, text=True, timeout=120)
+        cwd=tree / spec.code_dir, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("COLD-START ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{spec.logical_id} ({module}) failed:\n{proc.stderr[-3000:]}")
@@ -203,42 +245,87 @@ def provider_wait_ms(stdout: str) -> float:
     return waited
 
 
-def bench(repeats: int, *, tracing: bool, secrets: bool) -> list[dict[str, Any]]:
+def bench(repeats: int, *, tracing: bool, secrets: bool, trees: dict[str, Path] | None = None,
+          handlers: list[str] | None = None, server: Any = None) -> dict[str, list[dict[str, Any]]]:
+    """Lazy against eager cold starts of every handler, for each tree of code.
+
+    Args:
+        repeats: timed runs per handler, variant and tree.
+        tracing, secrets: see the module's docstring.
+        trees: name -> the root of a checkout whose ``layers`` and ``functions`` run (the
+            measuring code is always this one); ``{"now": ROOT}`` when None. Runs of every
+            tree are interleaved, so all of them see the same machine.
+        handlers: the function directories to run (every one when None).
+        server: a running ``RedisServer`` to use (flushed before each run); a private one
+            when None.
+
+    Returns:
+        Per tree, one row per handler: medians of import_ms, total_ms and wait_ms for the
+        lazy and the eager variant, and the statuses answered.
+    """
     from local.emulator import EmulatorProcess
     from local.redis_servers import RedisServer
     from local.template import functions
 
-    rows = []
+    trees = trees or {"now": ROOT}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     stub = ThreadingHTTPServer(("127.0.0.1", 0), SecretsStub) if secrets else None
     if stub is not None:
         threading.Thread(target=stub.serve_forever, daemon=True).start()
     secrets_url = f"http://127.0.0.1:{stub.server_port}" if stub is not None else None
+    own = RedisServer() if server is None else None
     try:
-        with RedisServer() as server, EmulatorProcess() as emulator, \
-                tempfile.TemporaryDirectory() as tmp:
+        redis = own.start() if own is not None else server
+        with EmulatorProcess() as emulator, tempfile.TemporaryDirectory() as tmp:
             for spec in functions():
-                if not (ROOT / spec.code_dir / "app.py").exists():
+                name = Path(spec.code_dir).name
+                if handlers is not None and name not in handlers:
                     continue
-                env = child_env(spec, server.url, emulator, tracing=tracing,
+                if not all((tree / spec.code_dir / "app.py").exists() for tree in trees.values()):
+                    continue
+                env = child_env(spec, redis.url, emulator, tracing=tracing,
                                 secrets_url=secrets_url)
                 event = event_file(spec, emulator, Path(tmp))
                 variants = {"lazy": spec.handler.rpartition(".")[0], "eager": "_eager_variant"}
-                samples: dict[str, list[dict[str, float]]] = {"lazy": [], "eager": []}
+                runs = [(tree, variant) for tree in trees for variant in variants]
+                samples: dict[tuple[str, str], list[dict[str, float]]] = {r: [] for r in runs}
                 for i in range(repeats + 1):
-                    order = ("lazy", "eager") if i % 2 == 0 else ("eager", "lazy")
-                    for variant in order:
-                        server.cli("FLUSHALL")
-                        result = run_once(spec, variants[variant], event, env)
+                    for tree, variant in runs[i % len(runs):] + runs[:i % len(runs)]:
+                        redis.cli("FLUSHALL")
+                        result = run_once(spec, variants[variant], event,
+                                          tree_env(env, trees[tree]), trees[tree])
                         if i:  # the first round only warms the disk cache
-                            samples[variant].append(result)
-                rows.append({"handler": Path(spec.code_dir).name, **{
-                    f"{variant}_{key}": statistics.median(s[key] for s in samples[variant])
-                    for variant in samples for key in ("import_ms", "total_ms", "wait_ms")},
-                    "status": sorted({int(s["status"]) for v in samples.values() for s in v})})
+                            samples[(tree, variant)].append(result)
+                for tree in trees:
+                    rows[tree].append({"handler": name, **{
+                        f"{variant}_{key}": statistics.median(
+                            s[key] for s in samples[(tree, variant)])
+                        for variant in variants
+                        for key in ("import_ms", "total_ms", "wait_ms")},
+                        "status": sorted({int(s["status"]) for v in variants
+                                          for s in samples[(tree, v)]})})
     finally:
+        if own is not None:
+            own.close()
         if stub is not None:
             stub.shutdown()
     return rows
+
+
+def tree_env(env: dict[str, str], tree: Path) -> dict[str, str]:
+    """``env`` with the layers and task root of the checkout at ``tree``."""
+    layers = [tree / "layers" / "usage_limits", tree / "layers" / "providers"]
+    task_root = Path(env["LAMBDA_TASK_ROOT"])
+    return {**env, "PYTHONPATH": os.pathsep.join([str(BENCH), *map(str, layers)]),
+            "LAMBDA_TASK_ROOT": str(tree / task_root.relative_to(ROOT))}
+
+
+def median_ratio(rows: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """Median over handlers of lazy and eager import + first call (slot waits left out), ms,
+    and their ratio."""
+    lazy = statistics.median(r["lazy_total_ms"] - r["lazy_wait_ms"] for r in rows)
+    eager = statistics.median(r["eager_total_ms"] - r["eager_wait_ms"] for r in rows)
+    return lazy, eager, lazy / eager
 
 
 def main() -> None:
@@ -256,7 +343,7 @@ def main() -> None:
     except ImportError:
         sys.exit("the eager variant's Tracer needs aws-xray-sdk: "
                  ".venv/bin/pip install aws-xray-sdk")
-    rows = bench(repeats, tracing=args.tracing, secrets=args.secrets)
+    rows = bench(repeats, tracing=args.tracing, secrets=args.secrets)["now"]
     mode = (f"tracing {'on' if args.tracing else 'off'} in both, provider keys from "
             f"{'Secrets Manager (stub)' if args.secrets else 'environment variables'}")
     print(f"\nCold start: import + first invocation, median of {repeats} fresh interpreters "
@@ -273,8 +360,7 @@ def main() -> None:
         print(f"| {r['handler']}{status} | {r['lazy_import_ms']:.0f} | {r['lazy_total_ms']:.0f} "
               f"| {r['eager_import_ms']:.0f} | {r['eager_total_ms']:.0f} | {ratio:.2f}x "
               f"| {r['lazy_wait_ms']:.0f} / {r['eager_wait_ms']:.0f} | {bare:.2f}x |")
-    lazy = statistics.median(r["lazy_total_ms"] - r["lazy_wait_ms"] for r in rows)
-    eager = statistics.median(r["eager_total_ms"] - r["eager_wait_ms"] for r in rows)
+    lazy, eager, _ = median_ratio(rows)
     print(f"\nMedian over handlers, slot waits left out: lazy {lazy:.0f} ms, eager {eager:.0f} ms, "
           f"{lazy / eager:.2f}x (target <= 0.70x). Slot waits are the provider throttle's "
           "(ProviderWaitMs of the request's metrics line).")

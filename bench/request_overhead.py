@@ -14,16 +14,19 @@ Runs in one process against a private redis-server:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "layers" / "usage_limits"),
-                str(ROOT / "layers" / "providers")]
+LAYERS = [str(ROOT / "layers" / "usage_limits"), str(ROOT / "layers" / "providers")]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # for local.*; the layers come first only in main()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,19 +48,31 @@ class RoundTrips:
         client.execute_command = counted
 
 
-def invocation_bench(requests: int) -> list[tuple[str, float, float, float]]:
-    from fastapi import Depends
-    from mangum import Mangum
+class Invocations:
+    """A guarded and an unguarded route of one app, called as Lambda calls a handler.
 
-    from local.lambda_events import FakeContext, http_event, lambda_loop
-    from local.redis_servers import RedisServer
-    from usage_limits.web import create_app, require_tokens, runtime, settings
+    ``round`` interleaves three kinds of call on the environment's one event loop: a full
+    handler invocation of the guarded route, the same of the unguarded route, and the
+    guard's own reservation awaited on its own (same client, ledger and plan), so the guard's
+    Python around its round trip is guarded - unguarded - reservation.
 
-    rows = []
-    with RedisServer() as server, lambda_loop():
-        os.environ.update(REDIS_URL=server.url, ATTO_BUDGET="100000000/1h,1000000000/30d",
+    Args:
+        redis_url: the redis-server to use.
+        user: the caller (one per tree, so two trees never share a budget's keys).
+    """
+
+    def __init__(self, redis_url: str, user: str = "user-123") -> None:
+        from fastapi import Depends
+        from mangum import Mangum
+
+        from local.lambda_events import FakeContext, http_event
+        from usage_limits.web import create_app, require_tokens, runtime, settings
+
+        os.environ.update(REDIS_URL=redis_url, ATTO_BUDGET="100000000/1h,1000000000/30d",
                           POWERTOOLS_METRICS_DISABLED="true", LOG_LEVEL="WARNING")
         settings.cache_clear()
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
         app = create_app("overhead")
 
         @app.post("/guarded", dependencies=[Depends(require_tokens(cost=1))])
@@ -68,26 +83,193 @@ def invocation_bench(requests: int) -> list[tuple[str, float, float, float]]:
         async def plain() -> dict[str, bool]:
             return {"ok": True}
 
-        handler = Mangum(app, lifespan="off")
-        events = {name: http_event("POST", f"/{name}", body={}) for name in ("guarded", "plain")}
+        self.handler = Mangum(app, lifespan="off")
+        self.context = FakeContext
+        self.user, self.settings, self.runtime = user, settings, runtime
+        self.events = {name: http_event("POST", f"/{name}", body={}, user=user)
+                       for name in ("guarded", "plain")}
+        self.calls = 0
         for _ in range(200):  # warm up: imports, connection, script cache
-            for event in events.values():
-                handler(event, FakeContext())
-        trips = RoundTrips(runtime.get_redis.__globals__["_client"])
-        timings: dict[str, list[float]] = {"guarded": [], "plain": []}
-        commands = {"guarded": 0, "plain": 0}
+            self.invoke("guarded")
+            self.invoke("plain")
+            self.reserve()
+        self.trips = RoundTrips(runtime.get_redis.__globals__["_client"])
+
+    def invoke(self, name: str) -> float:
+        """One full handler invocation of route ``name``, µs."""
+        self.calls += 1
+        event = dict(self.events[name])
+        event["requestContext"] = {**event["requestContext"],
+                                   "requestId": f"{name}-{self.calls}"}
+        start = time.perf_counter()
+        self.handler(event, self.context())
+        return (time.perf_counter() - start) * 1e6
+
+    def reserve(self) -> float:
+        """The guard's reservation alone, awaited on the same loop and client, µs."""
+        self.calls += 1
+        rid = f"direct-{self.calls}"
+
+        async def timed() -> float:
+            budget = self.runtime.get_budget(self.settings().plan)
+            start = time.perf_counter()
+            await budget.reserve(self.user, rid, cost=1, route="/guarded")
+            return (time.perf_counter() - start) * 1e6
+
+        return self.loop.run_until_complete(timed())
+
+    def round(self, requests: int) -> dict[str, list[float]]:
+        """``requests`` calls of each kind, interleaved in a rotating order; samples in µs."""
+        kinds = {"guarded": lambda: self.invoke("guarded"),
+                 "plain": lambda: self.invoke("plain"), "reserve": self.reserve}
+        order = list(kinds)
+        samples: dict[str, list[float]] = {name: [] for name in kinds}
         for i in range(requests):
-            for name in (("guarded", "plain") if i % 2 else ("plain", "guarded")):
-                event = dict(events[name])
-                event["requestContext"] = {**event["requestContext"], "requestId": f"{name}-{i}"}
-                before = trips.count
+            for name in order[i % 3:] + order[:i % 3]:
+                samples[name].append(kinds[name]())
+        return samples
+
+    def round_trips(self, name: str, requests: int = 50) -> float:
+        """Redis commands sent per full invocation of route ``name``."""
+        before = self.trips.count
+        for _ in range(requests):
+            self.invoke(name)
+        return (self.trips.count - before) / requests
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+        asyncio.set_event_loop(None)
+
+
+class Parts:
+    """Wall time spent inside chosen functions during guarded invocations, µs per request.
+
+    Each function is wrapped in place (module attribute or method) by a timer that adds its
+    inclusive time to ``spent[label]``; nested parts are reported inclusive, so a parent's
+    own share is its time minus its children's.
+    """
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        import functools
+        import inspect
+
+        original = getattr(owner, name)
+        spent = self.spent
+        spent.setdefault(label, 0.0)
+        if inspect.iscoroutinefunction(original):
+            @functools.wraps(original)
+            async def timed(*args: Any, **kwargs: Any) -> Any:
                 start = time.perf_counter()
-                handler(event, FakeContext())
-                timings[name].append((time.perf_counter() - start) * 1e6)
-                commands[name] += trips.count - before
-        for name in ("plain", "guarded"):
-            t = timings[name]
-            rows.append((name, percentile(t, 0.5), percentile(t, 0.99), commands[name] / requests))
+                try:
+                    return await original(*args, **kwargs)
+                finally:
+                    spent[label] += time.perf_counter() - start
+        else:
+            @functools.wraps(original)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    spent[label] += time.perf_counter() - start
+        self._undo.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        for label in self.spent:
+            self.spent[label] = 0.0
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+
+def profile_guard(requests: int) -> list[tuple[str, float]]:
+    """Where the guard's time goes: µs per request in each part, and the rest.
+
+    Calls the guarded and the unguarded route alternately; the parts are timed during the
+    guarded calls only, and each row is a median over requests (a busy machine's preemptions
+    would swamp means). "The rest" is guarded - unguarded minus the dependency, the
+    reservation, the RateLimit headers and the metrics flush: FastAPI resolving one more
+    dependency and the metered endpoint's Request, the metering wrapper (the reservation
+    happens there, after the body is validated), the middleware's per-request work that a
+    charge adds, and the timers themselves.
+    """
+    from local.redis_servers import RedisServer
+    from usage_limits import budget as budget_module
+    from usage_limits import budget as ledger
+    from usage_limits._scripts import LuaScript
+    from usage_limits.web import guard, identity, middleware
+    from usage_limits.web import observability as obs
+
+    with RedisServer() as server:
+        bench = Invocations(server.url)
+        parts = Parts()
+        client = bench.runtime.get_redis.__globals__["_client"]
+        # the dependency itself: the closure FastAPI calls, found on the route
+        route = next(r for r in bench.handler.app.routes if getattr(r, "path", "") == "/guarded")
+        dependant = route.dependant.dependencies[0]
+        parts.wrap(dependant, "call", "dependency (reserve_tokens), all of it")
+        parts.wrap(guard, "current_user", "  current_user (identity, log keys, user hash)")
+        parts.wrap(identity, "request_id", "  identity.request_id")
+        parts.wrap(guard, "settings", "settings()")
+        parts.wrap(guard.runtime, "get_budget", "runtime.get_budget")
+        parts.wrap(ledger.TokenBudget, "reserve", "TokenBudget.reserve, all of it")
+        parts.wrap(ledger.TokenBudget, "_reserve_call", "  _reserve_call (validation, args)")
+        parts.wrap(LuaScript, "__call__", "  LuaScript call (EVALSHA round trip)")
+        parts.wrap(client, "execute_command", "    redis-py execute_command (send, wait, parse)")
+        parts.wrap(budget_module, "_decode_reservation", "  _decode_reservation")
+        parts.wrap(guard.obs, "count", "obs.count")
+        parts.wrap(middleware, "_ratelimit_headers", "RateLimit headers (middleware)")
+        parts.wrap(obs, "flush", "obs.flush (metrics line)")
+        timings: dict[str, list[float]] = {"guarded": [], "plain": []}
+        per_request: dict[str, list[float]] = {label: [] for label in parts.spent}
+        try:
+            for i in range(requests):
+                for name in (("guarded", "plain") if i % 2 else ("plain", "guarded")):
+                    parts.reset()
+                    timings[name].append(bench.invoke(name))
+                    if name == "guarded":
+                        for label, spent in parts.spent.items():
+                            per_request[label].append(spent * 1e6)
+        finally:
+            parts.restore()
+            bench.close()
+    rows = [(label, statistics.median(spent)) for label, spent in per_request.items()]
+    guarded = statistics.median(timings["guarded"])
+    plain = statistics.median(timings["plain"])
+    spent = dict(rows)
+    adds = guarded - plain
+    trip = spent["  LuaScript call (EVALSHA round trip)"]
+    rest = (adds - spent["dependency (reserve_tokens), all of it"]
+            - spent["TokenBudget.reserve, all of it"] - spent["RateLimit headers (middleware)"]
+            - spent["obs.flush (metrics line)"])
+    return [("guarded invocation", guarded), ("unguarded invocation", plain),
+            ("guard adds", adds), ("guard adds beyond its round trip (adds - LuaScript call)",
+                                   adds - trip),
+            *rows, ("the rest: FastAPI, the metering wrapper, the middleware", rest)]
+
+
+def invocation_bench(requests: int) -> list[tuple[str, float, float, float]]:
+    from local.redis_servers import RedisServer
+
+    rows = []
+    with RedisServer() as server:
+        bench = Invocations(server.url)
+        try:
+            samples = bench.round(requests)
+            for name in ("plain", "guarded"):
+                t = samples[name]
+                rows.append((name, percentile(t, 0.5), percentile(t, 0.99),
+                             bench.round_trips(name)))
+        finally:
+            bench.close()
     return rows
 
 
@@ -115,7 +297,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--imports", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a short run (300 requests)")
+    parser.add_argument("--profile", action="store_true",
+                        help="only: where the guard's time goes, part by part")
     args = parser.parse_args()
+    sys.path[:0] = LAYERS
+    if args.profile:
+        requests = 300 if args.quick else args.requests
+        print(f"\nWhere a guarded invocation's time goes, {requests} requests (µs per request;"
+              " nested parts are inclusive)\n")
+        print("| part | µs |")
+        print("|---|---:|")
+        for label, micros in profile_guard(requests):
+            print(f"| {label.replace(' ', '&nbsp;', len(label) - len(label.lstrip()))} "
+                  f"| {micros:.1f} |")
+        return
     if args.quick:
         args.requests, args.imports = 300, 2
     rows = invocation_bench(args.requests)

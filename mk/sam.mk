@@ -35,8 +35,8 @@ export AWS_DEFAULT_REGION ?= us-east-1
 $(TOOLS_STAMP): mk/sam.mk
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(TOOLS)
-	$(TOOLS)/bin/python -m pip install --quiet --upgrade pip
-	$(TOOLS)/bin/python -m pip install --quiet \
+	$(TOOLS)/bin/python -m pip install -qq --upgrade pip
+	$(TOOLS)/bin/python -m pip install -qq \
 	  aws-sam-cli==$(SAM_CLI_VERSION) cfn-lint==$(CFN_LINT_VERSION)
 	@touch $@
 

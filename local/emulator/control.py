@@ -1,7 +1,7 @@
 """Control endpoints under ``/_emulator/`` (never counted, never delayed).
 
 - ``GET  /_emulator/health``: ``{"ok": true, "pid": ..., "started_at": ...}``;
-- ``GET  /_emulator/stats?window_s=1&times=1``: counters per family (see README);
+- ``GET  /_emulator/stats?window_s=1&times=1``: counters per family (see docs/emulator.md);
 - ``GET  /_emulator/config``: the current knobs;
 - ``POST /_emulator/config``: change knobs, queue forced outcomes;
 - ``POST /_emulator/reset``: clear counters, windows and queues, restore the start-up

@@ -106,12 +106,12 @@ async def test_refund_settle_usage_reject_bad_arguments_before_redis(call: Any) 
 
 
 def test_reserve_arguments_follow_the_script_header() -> None:
-    """The reservation's ARGV is now, id, cost, nonce, route, margin, then window/limit pairs."""
+    """The reservation's ARGV is now, id, cost, nonce, route, margin, then the plan in one."""
     keys, args = budget()._reserve_call("alice", "req-1", 8, "/v1/structured", tuple(PLAN),
                                         1_000, "abcd")
     assert keys == ["ul:{u:alice}:log", "ul:{u:alice}:ev", "ul:{u:alice}:meta"]
     assert args == [1_000, "req-1", 8, "abcd", "/v1/structured", 60_000,
-                    3_600_000, 100, 2_592_000_000, 1000]
+                    b"3600000:100 2592000000:1000"]
 
 
 @pytest.mark.parametrize("name", ["budget_reserve", "budget_usage", "budget_refund"])

@@ -28,7 +28,9 @@ Things worth knowing:
   O(events in it) for that one call and cannot see events older than the windows kept so
   far. Windows a user had stay maintained (cheaply) until the keys expire, so switching
   plans back and forth stays exact; the log keeps events for the longest of them.
-- Keys expire ``key_margin_s`` after the longest window: an idle user costs nothing.
+- Keys outlive the longest window by at least ``key_margin_s`` after every call, and by at
+  most an hour more (their expiry is renewed only when it would fall short): an idle user
+  costs nothing.
 
 Typical use::
 
@@ -235,7 +237,8 @@ class TokenBudget:
         redis: a ``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``, with
             its own timeouts and retry policy.
         windows: the default plan; each call may pass its own (plans differ per user).
-        key_margin_s: how long every key outlives the longest window, seconds.
+        key_margin_s: how long every key outlives the longest window at least, seconds
+            (renewals add up to min(longest window, 1 h) more).
         thresholds: usage thresholds whose crossing a reservation reports
             (``Reservation.crossings``); None reports none.
 
@@ -411,9 +414,11 @@ def _plan(windows: Sequence[Window]) -> tuple[Window, ...]:
 
 
 @lru_cache(maxsize=64)
-def _plan_args(plan: tuple[Window, ...]) -> tuple[int, tuple[int, ...]]:
-    """The plan's smallest limit and its window_ms, limit pairs as the reserve script reads them."""
-    return min(w.limit for w in plan), tuple(x for w in plan for x in (w.ms, w.limit))
+def _plan_args(plan: tuple[Window, ...]) -> tuple[int, tuple[bytes]]:
+    """The plan's smallest limit and its one "<window_ms>:<limit> ..." argument of the reserve
+    script, encoded once."""
+    encoded = " ".join(f"{w.ms}:{w.limit}" for w in plan).encode()
+    return min(w.limit for w in plan), (encoded,)
 
 
 @lru_cache(maxsize=1024)

@@ -1,6 +1,6 @@
 """Settings read once from the environment into frozen objects.
 
-Every environment variable name is a constant here, and README.md documents each one. An
+Every environment variable name is a constant here, and docs/configuration.md documents each one. An
 explicit argument always beats the environment variable. An empty variable counts as unset
 (SAM passes empty strings for parameters left at their default).
 

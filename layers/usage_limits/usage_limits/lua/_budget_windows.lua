@@ -97,7 +97,8 @@ local function leaving(s, b)
 end
 
 -- Bring every window the user has (and every window of this call) up to `now`, then drop the
--- events older than the longest one. Returns the longest window, ms.
+-- events older than the longest one. Sets m.empty when the longest window counts no event (or
+-- may not), before this call's charge. Returns the longest window, ms.
 local function advance(m, now, wanted)
   local kept_longest = 0
   for w in pairs(m.windows) do kept_longest = math.max(kept_longest, w) end
@@ -141,13 +142,22 @@ local function advance(m, now, wanted)
       s.lo = b
     end
   end
+  local first = m.windows[longest].first
+  m.empty = first == nil or first == NONE
   return longest
 end
 
 -- Store the clock and what changed of each window's total, cursor and first event (looked
--- up if unknown); every key lives margin_ms past the longest window.
+-- up if unknown). Every key lives at least margin_ms past the longest window: when meta's
+-- expiry (PTTL, Redis's own clock) would fall short of that, or when this call may have made
+-- a key anew (the longest window counted no event, so log and ev may have been empty), every
+-- expiry is set to longest + margin_ms + slack, slack = min(longest, 1 h). An active user's
+-- keys so get PEXPIRE about once per slack instead of on every call, and an idle user's
+-- vanish at most slack later than they used to.
 local function save_meta(m, now, longest)
   local fields = {'clk', int(now)}
+  local due = m.empty or redis.call('PTTL', meta_key) < longest + margin_ms
+  local ttl = longest + margin_ms + math.min(longest, 3600000)
   for w, s in pairs(m.windows) do
     if not s.first then
       local first = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(s.lo), '+inf',
@@ -169,10 +179,11 @@ local function save_meta(m, now, longest)
     end
   end
   redis.call('HSET', meta_key, unpack(fields))
-  local ttl = int(longest + margin_ms)
-  redis.call('PEXPIRE', log_key, ttl)
-  redis.call('PEXPIRE', ev_key, ttl)
-  redis.call('PEXPIRE', meta_key, ttl)
+  if due then
+    redis.call('PEXPIRE', log_key, int(ttl))
+    redis.call('PEXPIRE', ev_key, int(ttl))
+    redis.call('PEXPIRE', meta_key, int(ttl))
+  end
 end
 
 -- When the oldest event window w counts leaves it (-1 when it counts none: nothing to wait

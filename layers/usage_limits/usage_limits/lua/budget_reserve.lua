@@ -20,14 +20,16 @@ ARGV[4]  nonce       random per call, no spaces: tells a client's re-send of thi
                      (same nonce) from a second reservation of the same id (other nonce)
 ARGV[5]  route       route recorded with the charge (audit trail), may be empty
 ARGV[6]  margin_ms   keys live this long past the longest window, ms (integer >= 0)
-ARGV[7.. ] window_ms, limit pairs, shortest window first: window length in ms, limit in tokens
-ARGV[last] optional (an odd count after ARGV[6]): usage thresholds, "80,100/5" (percents of a
-           window's limit / margin in percentage points; _budget_thresholds.lua)
+ARGV[7]  plan        the windows, shortest first, as "<window_ms>:<limit>" items separated by
+                     single spaces: window length in ms, limit in tokens (one argument, so
+                     the client encodes and Redis parses one string per call, not two per window)
+ARGV[8]  thresholds  optional: usage thresholds, "80,100/5" (percents of a window's limit /
+                     margin in percentage points; _budget_thresholds.lua); absent = none
 
 Run twice with the same arguments (redis-py re-sends a call whose reply was lost): the second
 run finds the id charged with its own nonce and answers status 1 again, charging nothing.
 
-Returns {status, retry_after_ms, binding, then per ARGV window: used, resets_at_ms}
+Returns {status, retry_after_ms, binding, then per plan window: used, resets_at_ms}
   status          1 charged (now, or by this very call before a client re-sent it);
                   2 duplicate: the id was charged by another call, nothing charged now;
                   0 rejected: some window lacks room, nothing charged
@@ -48,11 +50,12 @@ local cost = tonumber(ARGV[3])
 local nonce = ARGV[4]
 local route = ARGV[5]
 local margin_ms = tonumber(ARGV[6])
+local plan = ARGV[7]
 local call_windows, limits = {}, {}
-local threshold_spec = (#ARGV - 6) % 2 == 1 and ARGV[#ARGV] or ''
-for i = 7, #ARGV - 1, 2 do
-  call_windows[#call_windows + 1] = tonumber(ARGV[i])
-  limits[#limits + 1] = tonumber(ARGV[i + 1])
+local threshold_spec = ARGV[8] or ''
+for w, limit in string.gmatch(plan, '(%d+):(%d+)') do
+  call_windows[#call_windows + 1] = tonumber(w)
+  limits[#limits + 1] = tonumber(limit)
 end
 
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)

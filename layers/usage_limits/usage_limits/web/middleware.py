@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import lru_cache
 from typing import Any
 
 from starlette.requests import Request
@@ -231,6 +232,13 @@ def _label(seconds: int) -> str:
     return f"{seconds}s"
 
 
+@lru_cache(maxsize=32)
+def _window_fields(limit: int, window_s: float) -> tuple[str, str]:
+    """A window's label and its ``RateLimit-Policy`` item: the same for every request."""
+    label = _label(int(window_s))
+    return label, f'"{label}";q={limit};w={int(window_s)}'
+
+
 def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes, bytes]]:
     """IETF ``RateLimit-Policy`` and ``RateLimit`` fields, one item per window, in tokens.
 
@@ -246,8 +254,8 @@ def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes
     now = time.time()
     policies, limits = [], []
     for w in windows:
-        label = _label(int(w.window_s))
-        policies.append(f'"{label}";q={w.limit};w={int(w.window_s)}')
+        label, policy = _window_fields(w.limit, w.window_s)
+        policies.append(policy)
         remaining = min(w.limit, w.remaining + give_back)
         # an empty window (nothing counted, or only this request's refunded charge) has
         # nothing to wait for: t=0, as /v1/usage shows resets_at null

@@ -18,14 +18,14 @@ if TYPE_CHECKING:
 _client: Any = None
 _client_loop: asyncio.AbstractEventLoop | None = None
 _injected: Any = None
-_budgets: dict[tuple[int, tuple[tuple[int, int], ...]], TokenBudget] = {}
+#: The environment's ledger: (client, plan, budget) of the last get_budget, or None.
+_budget: tuple[Any, tuple[tuple[int, int], ...], TokenBudget] | None = None
 
 
 def set_redis(client: Any) -> None:
     """Use ``client`` for every request of this process (tests, custom wiring); None resets."""
-    global _injected, _client, _client_loop
-    _injected, _client, _client_loop = client, None, None
-    _budgets.clear()
+    global _injected, _client, _client_loop, _budget
+    _injected, _client, _client_loop, _budget = client, None, None, None
 
 
 def get_redis() -> Any:
@@ -47,17 +47,18 @@ def get_redis() -> Any:
 
 def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
     """The ledger over the shared client for the given plan, made once per client and plan
-    (a TokenBudget encodes its plan's script arguments when it is made)."""
+    (a TokenBudget encodes its plan's script arguments when it is made); one is kept, since
+    an environment has one client and one plan."""
+    global _budget
+    client = get_redis()
+    current = _budget
+    if current is not None and current[0] is client and current[1] == windows:
+        return current[2]
     from ..budget import TokenBudget, Window
     from ..thresholds import configured
 
-    client = get_redis()
-    key = (id(client), windows)
-    budget = _budgets.get(key)
-    if budget is None or budget.redis is not client:
-        budget = TokenBudget(client, windows=[Window(limit=limit, seconds=seconds)
-                                              for limit, seconds in windows],
-                             thresholds=configured())
-        _budgets.clear()  # one client and one plan per environment: keep only the current
-        _budgets[key] = budget
+    budget = TokenBudget(client, windows=[Window(limit=limit, seconds=seconds)
+                                          for limit, seconds in windows],
+                         thresholds=configured())
+    _budget = (client, windows, budget)
     return budget

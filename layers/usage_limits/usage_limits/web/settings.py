@@ -1,6 +1,6 @@
 """Settings of the web layer, read once from the environment into a frozen object.
 
-Every name here is documented in the README. Explicit arguments beat the environment.
+Every name here is documented in docs/configuration.md. Explicit arguments beat the environment.
 """
 
 from __future__ import annotations

@@ -109,8 +109,10 @@ def fresh_environment() -> None:
     variables, on next use.
     """
     import atto_providers  # noqa: F401  (registers the provider clients' resets)
-    from usage_limits import snapstart
-    from usage_limits.web import settings
+    from usage_limits import snapstart, thresholds
+    from usage_limits.web import observability, settings
 
     settings.cache_clear()
+    thresholds.configured.cache_clear()
+    observability.reset()
     snapstart.restore()

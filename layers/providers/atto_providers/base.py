@@ -138,10 +138,10 @@ class ProviderClient:
             return await self._request(method, url, cost=cost, json=json, params=params,
                                        headers=headers)
         except ProviderBusy:
-            obs.count(obs.PROVIDER_BUSY)
+            obs.provider_count(self.name, obs.PROVIDER_BUSY)
             raise
         except ProviderError:
-            obs.count(obs.UPSTREAM_ERROR)
+            obs.provider_count(self.name, obs.UPSTREAM_ERROR)
             raise
 
     async def _request(self, method: str, url: str, *, cost: float, json: Any,
@@ -158,6 +158,7 @@ class ProviderClient:
                     raise ProviderBusy(self.name, 1.0, f"no time left to call {self.name}")
                 limit_s = min(DEFAULT_TIMEOUT_S, left)
                 request.extensions["timeout"] = httpx.Timeout(limit_s).as_dict()
+                obs.provider_count(self.name, obs.PROVIDER_CALLS, cost)
                 try:
                     # The whole exchange, not each phase: a trickling body resets httpx's
                     # read timeout with every byte.
@@ -169,9 +170,10 @@ class ProviderClient:
                 except httpx.HTTPError as exc:
                     raise ProviderError(f"the {self.name} provider could not be reached",
                                         provider=self.name) from exc
-            obs.count(obs.PROVIDER_WAIT_MS, round(waited_s * 1000, 3), unit="Milliseconds")
+            obs.provider_count(self.name, obs.PROVIDER_WAIT_MS, round(waited_s * 1000, 3),
+                               unit="Milliseconds")
             if response.status_code == 429:
-                obs.count(obs.UPSTREAM_429)
+                obs.provider_count(self.name, obs.UPSTREAM_429)
                 wait = self.throttle.bounded_pause_s(retry_after_s(response))
                 log.warning("%s answered 429; pausing every instance for %.2fs", self.name, wait)
                 await self.throttle.pause(wait)

@@ -76,6 +76,7 @@ import httpx
 
 from usage_limits.deadline import deadline_scope, remaining_s
 from usage_limits.exceptions import InvalidArgument, ProviderBusy
+from usage_limits.web import observability as obs
 from usage_limits.web.errors import InvalidRequest, ProviderError
 
 from .base import MIN_CALL_S, ProviderClient
@@ -494,6 +495,9 @@ class PageFetcher(ProviderClient):
             try:
                 async with asyncio.timeout(budget):
                     return await self._follow(url)
+            except ProviderBusy:
+                obs.provider_count(self.name, obs.PROVIDER_BUSY)
+                raise
             except TimeoutError:
                 raise _page_error("timeout", f"the page did not arrive within {budget:.1f}s",
                                   ) from None
@@ -581,10 +585,13 @@ class PageFetcher(ProviderClient):
         headers = [(b"Host", target.host_header), (b"User-Agent", USER_AGENT),
                    (b"Accept", ACCEPT), (b"Accept-Encoding", b"identity"),
                    (b"Connection", b"close")]
-        async with self.throttle.slot():
+        async with self.throttle.slot() as waited_s:
             left = remaining_s()
             if left < MIN_CALL_S:
                 raise _page_error("timeout", "no time left to fetch the page")
+            obs.provider_count(self.name, obs.PROVIDER_CALLS)
+            obs.provider_count(self.name, obs.PROVIDER_WAIT_MS, round(waited_s * 1000, 3),
+                               unit="Milliseconds")
             timeouts = {"connect": left, "read": left, "write": left, "pool": left}
             pool = httpcore.AsyncConnectionPool(
                 ssl_context=_ssl_context(), network_backend=PinnedBackend(addresses),
@@ -610,6 +617,7 @@ class PageFetcher(ProviderClient):
                 raise _page_error("bad_redirect", "the page redirects without a Location")
             return _Redirect(location)
         if status == 429:
+            obs.provider_count(self.name, obs.UPSTREAM_429)
             try:
                 wait = min(60.0, max(1.0, float(headers.get("retry-after", "1"))))
             except ValueError:

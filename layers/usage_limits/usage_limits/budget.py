@@ -64,6 +64,8 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.asyncio.cluster import RedisCluster
 
+    from .thresholds import Thresholds
+
     AnyRedis = Redis | RedisCluster
 
 #: Longest request id or route accepted, in characters.
@@ -160,6 +162,8 @@ class Reservation:
         window_s: length of the binding window, seconds.
         windows: every window of the plan, shortest first.
         nonce: this call's nonce; ``refund`` and ``settle`` of the charge it made need it.
+        crossings: the usage thresholds this charge crossed (a budget made with
+            ``thresholds`` only), each reported once (see ``usage_limits.thresholds``).
     """
 
     allowed: bool
@@ -171,6 +175,24 @@ class Reservation:
     window_s: float
     windows: tuple[WindowUsage, ...]
     nonce: str = ""
+    crossings: tuple[Crossing, ...] = ()
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """A charge took a window's usage across a threshold.
+
+    Attributes:
+        window_s: the window's length, seconds.
+        threshold: the threshold crossed, percent of ``limit``.
+        used: tokens in the window after the charge.
+        limit: the window's limit in tokens.
+    """
+
+    window_s: float
+    threshold: int
+    used: int
+    limit: int
 
 
 @dataclass(frozen=True)
@@ -217,13 +239,16 @@ class TokenBudget:
         windows: the default plan; each call may pass its own (plans differ per user).
         key_margin_s: how long every key outlives the longest window at least, seconds
             (renewals add up to min(longest window, 1 h) more).
+        thresholds: usage thresholds whose crossing a reservation reports
+            (``Reservation.crossings``); None reports none.
 
     Raises:
         InvalidArgument: an empty plan, two windows of the same length, or a bad margin.
     """
 
     def __init__(self, redis: AnyRedis, windows: Sequence[Window], *,
-                 key_margin_s: float = DEFAULT_KEY_MARGIN_S) -> None:
+                 key_margin_s: float = DEFAULT_KEY_MARGIN_S,
+                 thresholds: Thresholds | None = None) -> None:
         if (isinstance(key_margin_s, bool) or not isinstance(key_margin_s, int | float)
                 or not 0 <= key_margin_s <= MAX_WINDOW_S):
             raise InvalidArgument(f"key_margin_s must be >= 0, not {key_margin_s!r}")
@@ -231,6 +256,8 @@ class TokenBudget:
         self.windows = _plan(windows)
         self.key_margin_ms = round(key_margin_s * 1000)
         self._default_args = _plan_args(self.windows)
+        self._thresholds = () if thresholds is None or not thresholds.spec else (
+            thresholds.spec,)
 
     async def reserve(self, user_id: str, request_id: str, cost: int, *, route: str = "",
                       windows: Sequence[Window] | None = None,
@@ -355,7 +382,8 @@ class TokenBudget:
             raise CostExceedsLimit(
                 f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
                 cost=cost, limit=w.limit)
-        return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail]
+        return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail,
+                      *self._thresholds]
 
 
 def new_nonce() -> str:
@@ -450,9 +478,13 @@ def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
         if least < 0 or left < least:
             least, tightest = left, w
     bind = plan[int(reply[2]) - 1] if status == _REJECTED else tightest
+    extra = reply[3 + 2 * len(plan):]  # thresholds crossed: window position, percent
+    crossings = tuple(Crossing(states[int(extra[i]) - 1].window_s, int(extra[i + 1]),
+                               states[int(extra[i]) - 1].used, states[int(extra[i]) - 1].limit)
+                      for i in range(0, len(extra) - 1, 2))
     return Reservation(status != _REJECTED, least, int(reply[1]) / 1000.0,
                        status == _DUPLICATE, cost, bind.limit, float(bind.seconds),
-                       tuple(states), nonce)
+                       tuple(states), nonce, crossings)
 
 
 def _decode_usage(reply: list[Any], plan: tuple[Window, ...]) -> Usage:

@@ -23,6 +23,8 @@ ARGV[6]  margin_ms   keys live this long past the longest window, ms (integer >=
 ARGV[7]  plan        the windows, shortest first, as "<window_ms>:<limit>" items separated by
                      single spaces: window length in ms, limit in tokens (one argument, so
                      the client encodes and Redis parses one string per call, not two per window)
+ARGV[8]  thresholds  optional: usage thresholds, "80,100/5" (percents of a window's limit /
+                     margin in percentage points; _budget_thresholds.lua); absent = none
 
 Run twice with the same arguments (redis-py re-sends a call whose reply was lost): the second
 run finds the id charged with its own nonce and answers status 1 again, charging nothing.
@@ -36,6 +38,7 @@ Returns {status, retry_after_ms, binding, then per plan window: used, resets_at_
   binding         when rejected, the position (1-based) of the window with that wait; else 0
   used            tokens in the window after this call
   resets_at_ms    when the oldest counted event leaves the window, ms; -1 when it is empty
+then, when this call charged and crossed thresholds, per crossing: window position, percent
 ]]
 local log_key = KEYS[1]
 local ev_key = KEYS[2]
@@ -49,12 +52,14 @@ local route = ARGV[5]
 local margin_ms = tonumber(ARGV[6])
 local plan = ARGV[7]
 local call_windows, limits = {}, {}
+local threshold_spec = ARGV[8] or ''
 for w, limit in string.gmatch(plan, '(%d+):(%d+)') do
   call_windows[#call_windows + 1] = tonumber(w)
   limits[#limits + 1] = tonumber(limit)
 end
 
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
+--#include _budget_thresholds.lua  (usage-threshold crossings)
 
 -- The wait is found by walking the window's oldest events until they free `need` tokens.
 -- Every event costs at least 1 token, so `need` tokens are freed within the `need` oldest
@@ -130,7 +135,7 @@ if fits then
       if s.first == NONE then s.first = now end
     end
     save_meta(m, now, longest)
-    return reply(1, 0, 0)
+    return append_crossings(reply(1, 0, 0), threshold_spec, m, cost)
   end
 elseif not redis.call('ZSCORE', log_key, request_id) then
   local retry, binding = 0, 0

@@ -23,6 +23,11 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from . import observability as obs
+
+#: The code of the 503 answered when Redis is unreachable (counted as a metric).
+LIMITER_UNAVAILABLE_CODE = "limiter_unavailable"
+
 
 class ApiError(Exception):
     """An error with a status and a public code; ``extra`` goes into the error body."""
@@ -98,5 +103,7 @@ def retry_after_header(seconds: float) -> dict[str, str]:
 def error_response(status: int, code: str, message: str, *,
                    headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
     """The one place that shapes an error body."""
+    if code == LIMITER_UNAVAILABLE_CODE:
+        obs.count(obs.LIMITER_UNAVAILABLE)
     return JSONResponse({"error": {"code": code, "message": message, **extra}},
                         status_code=status, headers=headers)

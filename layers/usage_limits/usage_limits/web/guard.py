@@ -34,7 +34,7 @@ from starlette.requests import Request
 from ..budget import new_nonce
 from ..entitlements.plans import Plan
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
-from . import identity, refunds, runtime
+from . import events, identity, refunds, runtime
 from . import observability as obs
 from .charge import Charge
 from .costs import Cost, price
@@ -73,6 +73,8 @@ class RequestState:
     claimed: dict[str, Any] | None = None
     #: Milliseconds the request may run, from the Lambda context.
     remaining_ms: int = 29_000
+    #: The name of the plan the charge is made under (named in usage events).
+    plan_name: str = ""
     #: The user's windows read for an answer that reserved nothing (a replay, a 409).
     windows: tuple[WindowUsage, ...] = ()
 
@@ -135,6 +137,7 @@ def require_tokens(
         state = request_state(request)
         user = current_user(request)
         plan = identity.plan(request).plan
+        state.plan_name = plan.name
         state.pending = Charge(runtime.get_budget(plan.windows), user,
                                identity.request_id(request), 0, nonce="")
 
@@ -193,6 +196,9 @@ def require_tokens(
         charge.cost, charge.nonce, charge.reservation = cost, nonce, reservation
         state.charge = charge
         obs.count(obs.TOKENS_RESERVED, cost)
+        if reservation.crossings:  # published alongside the request, within a short bound
+            events.publish_soon(events.threshold_events(user, state.plan_name,
+                                                        reservation.crossings))
         return state.charge
 
     reserve_tokens.__name__ = (f"require_tokens_{cost}" if isinstance(cost, int)

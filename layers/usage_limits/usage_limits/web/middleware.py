@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..deadline import deadline_scope, remaining_s, request_budget_s
+from . import events, identity, refunds
 from . import idempotency as idem
-from . import identity, refunds
 from . import observability as obs
 from .errors import ApiError, error_response
 from .guard import STATE_KEY, RequestState
@@ -45,6 +45,22 @@ class UsageLimitsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        status = 0
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, send_status)
+        finally:
+            await events.drain()
+            obs.request_done(_route_key(scope), status or 500)
+            obs.flush()
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         conf = settings()
         state = RequestState()
         scope.setdefault("state", {})[STATE_KEY] = state
@@ -130,7 +146,20 @@ class UsageLimitsMiddleware:
                 "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 2),
                 "tokens_charged": charge.cost if charge is not None else 0,
                 "tokens_refunded": refunded})
-            obs.flush()
+
+
+def _route_key(scope: Scope) -> str | None:
+    """The request's API route key (``"POST /v1/structured"``), None when it matched none.
+
+    In Lambda it is API Gateway's ``routeKey`` (only configured routes reach a function);
+    elsewhere the method and the path template of the route FastAPI matched.
+    """
+    event = scope.get("aws.event") or {}
+    key = event.get("routeKey")
+    if isinstance(key, str) and key and key != "$default":
+        return key
+    path = getattr(scope.get("route"), "path", None)
+    return f"{scope.get('method')} {path}" if isinstance(path, str) else None
 
 
 def refund_time_s() -> float:

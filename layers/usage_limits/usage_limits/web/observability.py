@@ -3,9 +3,20 @@
 - Logs: one Powertools ``Logger`` (JSON) per execution environment. Each request appends
   its request id, route and the caller's id *hashed* (``user`` is never logged in clear)
   and nothing secret.
-- Metrics: one Powertools ``Metrics`` (CloudWatch embedded metric format) flushed at the end
-  of every request: tokens reserved, refunded and settled, budget rejections, provider
-  wait time, provider busy, upstream 429s and upstream errors.
+- Metrics: CloudWatch embedded metric format (EMF), written at the end of every request.
+  Two groups, each with the dimension sets it is published under (declared below, so
+  that the template's alarms and dashboard can be checked against them):
+
+  * request metrics (``REQUEST_METRICS``), one EMF line per request, under
+    ``(env, service, route)`` and ``(env,)``: requests and 4xx/5xx answers, tokens
+    reserved, refunded and settled, budget rejections, ``limiter_unavailable`` answers,
+    refunds kept for later and refunds lost, credit drawn, events that failed to publish;
+  * provider metrics (``PROVIDER_METRICS``), one EMF line per provider the request
+    called, under ``(env, provider, service)`` and ``(env, provider)``: calls sent (in
+    throttle units), wait for a slot, provider busy, upstream 429s and upstream errors.
+
+  ``env`` is ``ATTO_ENV`` (the stage), ``service`` the function
+  (``POWERTOOLS_SERVICE_NAME``), ``route`` the API route key (``"POST /v1/structured"``).
 - Tracing: a Powertools ``Tracer`` only inside Lambda (``AWS_LAMBDA_FUNCTION_NAME`` set)
   and only when ``POWERTOOLS_TRACE_DISABLED`` is not true. Creating one costs ~0.3 s, so
   it is made on first use, never at import.
@@ -27,19 +38,56 @@ if TYPE_CHECKING:
 
 SERVICE = "atto-cloud"
 NAMESPACE = "AttoCloud"
+#: Environment variables read here.
+NAMESPACE_ENV = "POWERTOOLS_METRICS_NAMESPACE"
+SERVICE_ENV = "POWERTOOLS_SERVICE_NAME"
+STAGE_ENV = "ATTO_ENV"
+#: ``env`` when ``ATTO_ENV`` is unset.
+DEFAULT_STAGE = "unset"
 
-# Metric names (one place, so dashboards and tests agree).
+# Metric names (one place, so the template's alarms and dashboard and the tests agree).
+# Request metrics:
+REQUESTS = "Requests"
+CLIENT_ERRORS = "ClientErrors"          # answers 400-499
+SERVER_ERRORS = "ServerErrors"          # answers 500-599
 TOKENS_RESERVED = "TokensReserved"
 TOKENS_REFUNDED = "TokensRefunded"
 TOKENS_SETTLED = "TokensSettled"
 BUDGET_REJECTED = "BudgetRejected"
+LIMITER_UNAVAILABLE = "LimiterUnavailable"  # 503 limiter_unavailable answers
+REFUNDS_KEPT = "RefundsKept"            # a refund failed and is kept to retry later
+REFUNDS_LOST = "RefundsLost"            # a kept refund was dropped or expired, never made
+CREDIT_DRAWN = "CreditDrawn"            # tokens drawn from credit grants
+EVENTS_FAILED = "EventsFailed"          # events not published within their bound
+# Provider metrics:
+PROVIDER_CALLS = "ProviderCalls"        # calls sent upstream, in throttle units
 PROVIDER_WAIT_MS = "ProviderWaitMs"
 PROVIDER_BUSY = "ProviderBusy"
 UPSTREAM_429 = "Upstream429"
 UPSTREAM_ERROR = "UpstreamError"
 
+# Dimension names and the dimension sets each group is published under.
+ENV = "env"
+SERVICE_DIMENSION = "service"
+ROUTE = "route"
+PROVIDER = "provider"
+#: ``route`` of a request that matched no route.
+UNMATCHED_ROUTE = "unmatched"
+
+REQUEST_METRICS = frozenset({
+    REQUESTS, CLIENT_ERRORS, SERVER_ERRORS, TOKENS_RESERVED, TOKENS_REFUNDED, TOKENS_SETTLED,
+    BUDGET_REJECTED, LIMITER_UNAVAILABLE, REFUNDS_KEPT, REFUNDS_LOST, CREDIT_DRAWN,
+    EVENTS_FAILED})
+REQUEST_DIMENSION_SETS: tuple[tuple[str, ...], ...] = ((ENV, SERVICE_DIMENSION, ROUTE), (ENV,))
+PROVIDER_METRICS = frozenset({
+    PROVIDER_CALLS, PROVIDER_WAIT_MS, PROVIDER_BUSY, UPSTREAM_429, UPSTREAM_ERROR})
+PROVIDER_DIMENSION_SETS: tuple[tuple[str, ...], ...] = (
+    (ENV, PROVIDER, SERVICE_DIMENSION), (ENV, PROVIDER))
+
 _logger: Logger | None = None
 _metrics: Metrics | None = None
+_provider_metrics: dict[str, Any] = {}
+_route: str | None = None
 _tracer: Any = None
 _tracer_checked = False
 
@@ -50,27 +98,75 @@ def logger() -> Logger:
     if _logger is None:
         from aws_lambda_powertools import Logger
 
-        _logger = Logger(service=os.environ.get("POWERTOOLS_SERVICE_NAME", SERVICE),
+        _logger = Logger(service=os.environ.get(SERVICE_ENV, SERVICE),
                          level=os.environ.get("LOG_LEVEL", "INFO"))
     return _logger
 
 
+def _stage() -> str:
+    return os.environ.get(STAGE_ENV, "").strip() or DEFAULT_STAGE
+
+
 def metrics() -> Metrics:
-    """The execution environment's EMF metrics."""
+    """The execution environment's EMF metrics of requests (``REQUEST_METRICS``)."""
     global _metrics
     if _metrics is None:
         from aws_lambda_powertools import Metrics
 
-        _metrics = Metrics(namespace=os.environ.get("POWERTOOLS_METRICS_NAMESPACE", NAMESPACE),
-                           service=os.environ.get("POWERTOOLS_SERVICE_NAME", SERVICE))
+        _metrics = Metrics(namespace=os.environ.get(NAMESPACE_ENV, NAMESPACE),
+                           service=os.environ.get(SERVICE_ENV, SERVICE))
+        _metrics.set_default_dimensions(**{ENV: _stage()})
     return _metrics
 
 
+def _provider_set(provider: str) -> Any:
+    """The EMF metrics of one provider (``PROVIDER_METRICS``), made on first use."""
+    found = _provider_metrics.get(provider)
+    if found is None:
+        from aws_lambda_powertools.metrics import EphemeralMetrics
+
+        found = EphemeralMetrics(namespace=os.environ.get(NAMESPACE_ENV, NAMESPACE),
+                                 service=os.environ.get(SERVICE_ENV, SERVICE))
+        found.set_default_dimensions(**{ENV: _stage(), PROVIDER: provider})
+        _provider_metrics[provider] = found
+    return found
+
+
 def count(name: str, value: float = 1, unit: str = "Count") -> None:
-    """Add ``value`` to metric ``name`` for this request (nothing when metrics are off)."""
+    """Add ``value`` to request metric ``name`` for this request (nothing when metrics are off).
+
+    Raises:
+        ValueError: ``name`` is not one of ``REQUEST_METRICS``.
+    """
+    if name not in REQUEST_METRICS:
+        raise ValueError(f"{name!r} is not a request metric")
     if _metrics_disabled():
         return
     metrics().add_metric(name=name, unit=unit, value=value)
+
+
+def provider_count(provider: str, name: str, value: float = 1, unit: str = "Count") -> None:
+    """Add ``value`` to provider metric ``name`` of ``provider`` for this request.
+
+    Raises:
+        ValueError: ``name`` is not one of ``PROVIDER_METRICS``.
+    """
+    if name not in PROVIDER_METRICS:
+        raise ValueError(f"{name!r} is not a provider metric")
+    if _metrics_disabled():
+        return
+    _provider_set(provider).add_metric(name=name, unit=unit, value=value)
+
+
+def request_done(route: str | None, status: int) -> None:
+    """Count one answered request of ``route`` (an API route key) with HTTP ``status``."""
+    global _route
+    _route = route or UNMATCHED_ROUTE
+    count(REQUESTS)
+    if 400 <= status < 500:
+        count(CLIENT_ERRORS)
+    elif status >= 500:
+        count(SERVER_ERRORS)
 
 
 @cache
@@ -81,9 +177,29 @@ def _metrics_disabled() -> bool:
 
 
 def flush() -> None:
-    """Write this request's metrics (one EMF line) and start afresh."""
+    """Write this request's metrics (one EMF line per group) and start afresh."""
+    global _route
     if _metrics is not None and _metrics.metric_set:
+        _metrics.add_dimension(ROUTE, _route or UNMATCHED_ROUTE)
+        _metrics.add_dimensions(**{ENV: _stage()})
         _metrics.flush_metrics()
+    for provider, found in _provider_metrics.items():
+        if found.metric_set:
+            found.add_dimensions(**{ENV: _stage(), PROVIDER: provider})
+            found.flush_metrics()
+    _route = None
+
+
+def reset() -> None:
+    """Forget the metrics made so far and their settings (a new execution environment)."""
+    global _metrics, _route
+    if _metrics is not None:
+        # Powertools keeps metrics and default dimensions on the class, shared by instances.
+        _metrics.default_dimensions.clear()
+        _metrics.clear_metrics()
+    _metrics, _route = None, None
+    _provider_metrics.clear()
+    _metrics_disabled.cache_clear()
 
 
 def tracer() -> Any:
@@ -97,7 +213,7 @@ def tracer() -> Any:
             try:
                 from aws_lambda_powertools import Tracer
 
-                _tracer = Tracer(service=os.environ.get("POWERTOOLS_SERVICE_NAME", SERVICE),
+                _tracer = Tracer(service=os.environ.get(SERVICE_ENV, SERVICE),
                                  patch_modules=["httpx"])
             except Exception:  # X-Ray SDK missing: run untraced rather than fail requests
                 logger().warning("tracing unavailable; continuing without it")

@@ -50,8 +50,10 @@ def keep(charge: Charge, longest_window_s: float) -> None:
     """Remember a refund that failed, to be tried again before the next request."""
     now = time.monotonic()
     _pending.append(_Pending(charge, charge.cost, now, now + longest_window_s))
+    obs.count(obs.REFUNDS_KEPT)
     if len(_pending) > MAX_PENDING:
         dropped = _pending.pop(0)
+        obs.count(obs.REFUNDS_LOST)
         obs.logger().error("pending refund dropped (too many)",
                            extra={"request_id": dropped.charge.request_id})
 
@@ -79,6 +81,7 @@ async def retry(budget_s: float = RETRY_BUDGET_S) -> int:
             break
         if time.monotonic() > item.keep_until:
             _pending.remove(item)
+            obs.count(obs.REFUNDS_LOST)
             obs.logger().error("pending refund expired", extra={
                 "request_id": item.charge.request_id})
             continue

@@ -55,8 +55,10 @@ def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
     if current is not None and current[0] is client and current[1] == windows:
         return current[2]
     from ..budget import TokenBudget, Window
+    from ..thresholds import configured
 
     budget = TokenBudget(client, windows=[Window(limit=limit, seconds=seconds)
-                                          for limit, seconds in windows])
+                                          for limit, seconds in windows],
+                         thresholds=configured())
     _budget = (client, windows, budget)
     return budget

@@ -1,0 +1,61 @@
+--[[ _budget_thresholds.lua: usage-threshold crossings of a charge, for budget_reserve.lua.
+Not a script of its own: LuaScript pastes it where a script says
+`--#include _budget_thresholds.lua` (after call_windows, limits and meta_key exist).
+
+A spec "80,100/5" names the thresholds (percent of a window's limit, ascending) and the
+margin (percentage points). Per window of W ms the user's meta hash keeps
+  n:<W>  the highest threshold already reported (percent; missing = none)
+A charge that takes a window's total from `before` to `after` crosses threshold p when
+after * 100 >= p * limit and p is above n:<W>. A reported threshold is forgotten (so that
+it can be reported again) once a charge finds the total below it by more than the margin:
+between two charges a total only falls (expiry, refund, settle), so the total a charge
+starts from is the lowest since the previous charge, and nothing is missed by looking only
+when charging. The level lives in meta and expires with it.
+]]
+
+-- The thresholds (ascending) and the margin of a spec; nil for an empty spec.
+local function parse_thresholds(spec)
+  if not spec or spec == '' then return nil end
+  local list, margin = string.match(spec, '^([%d,]+)/(%d+)$')
+  if not list then return nil end
+  local out = {}
+  for p in string.gmatch(list, '%d+') do out[#out + 1] = tonumber(p) end
+  table.sort(out)
+  return out, tonumber(margin)
+end
+
+-- `out` (a reply) with the thresholds this charge of `cost` crossed appended, as pairs
+-- (position of the window in call_windows, 1-based; threshold in percent); m holds each
+-- window's total after the charge. Stores the new levels.
+local function append_crossings(out, spec, m, cost)
+  local thresholds, margin = parse_thresholds(spec)
+  if not thresholds then return out end
+  local fields = {}
+  for i, w in ipairs(call_windows) do fields[i] = 'n:' .. string.format('%d', w) end
+  local levels = redis.call('HMGET', meta_key, unpack(fields))
+  local changed = {}
+  for i, w in ipairs(call_windows) do
+    local limit, after = limits[i], m.windows[w].total
+    local before = after - cost
+    local level = tonumber(levels[i]) or 0
+    -- forget the thresholds usage fell below by more than the margin since the last charge
+    local kept = 0
+    for _, p in ipairs(thresholds) do
+      if p <= level and before * 100 >= (p - margin) * limit then kept = p end
+    end
+    local new_level = kept
+    for _, p in ipairs(thresholds) do
+      if p > kept and after * 100 >= p * limit then
+        out[#out + 1] = i
+        out[#out + 1] = p
+        new_level = p
+      end
+    end
+    if new_level ~= level then
+      changed[#changed + 1] = fields[i]
+      changed[#changed + 1] = string.format('%d', new_level)
+    end
+  end
+  if #changed > 0 then redis.call('HSET', meta_key, unpack(changed)) end
+  return out
+end

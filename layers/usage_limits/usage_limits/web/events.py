@@ -1,0 +1,253 @@
+"""Usage-threshold and credit events, published to EventBridge within a short bound.
+
+Three detail-types, all with source ``atto.cloud``:
+
+- ``Atto Usage Threshold``: a charge took a user across a threshold of a window
+  (``user``, ``plan``, ``window_s``, ``threshold`` in percent, ``used``, ``limit``);
+- ``Atto Credit Low``: what is left of a user's credit grants fell below a share of them;
+- ``Atto Credit Exhausted``: nothing is left of them.
+
+Publishing never fails a request and never holds it longer than ``timeout_s``: the
+PutEvents call runs in a worker thread with botocore timeouts of the same length and no
+retries, and the caller stops waiting when ``asyncio.timeout`` ends. An event that was not
+confirmed within the bound is logged and counted (``EventsFailed``); it may still arrive.
+
+``publish_soon`` starts the publication as a task, so it overlaps whatever the request does
+next; ``drain`` (awaited by the middleware before the request's metrics are written) waits
+for those tasks, each of which ends within its bound.
+
+Environment: ``ATTO_EVENT_BUS`` (the bus's name or ARN; unset: events are not published,
+as in local mode), ``ATTO_EVENTS_TIMEOUT_S`` (default 1.0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from .. import snapstart
+from ..exceptions import InvalidArgument
+from . import observability as obs
+
+if TYPE_CHECKING:
+    from ..budget import Crossing
+
+ATTO_EVENT_BUS = "ATTO_EVENT_BUS"
+ATTO_EVENTS_TIMEOUT_S = "ATTO_EVENTS_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 1.0
+
+SOURCE = "atto.cloud"
+USAGE_THRESHOLD = "Atto Usage Threshold"
+CREDIT_LOW = "Atto Credit Low"
+CREDIT_EXHAUSTED = "Atto Credit Exhausted"
+DETAIL_TYPES = (USAGE_THRESHOLD, CREDIT_LOW, CREDIT_EXHAUSTED)
+
+#: PutEvents takes at most this many entries per call.
+MAX_ENTRIES = 10
+
+
+@dataclass(frozen=True)
+class EventSettings:
+    """Where and how long events are published.
+
+    Attributes:
+        bus: the event bus's name or ARN; None publishes nothing.
+        timeout_s: the longest a request waits for a publication (seconds, > 0); also
+            botocore's connect and read timeouts.
+    """
+
+    bus: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EventSettings:
+        """Read the settings from ``env`` (default ``os.environ``).
+
+        Raises:
+            InvalidArgument: ``ATTO_EVENTS_TIMEOUT_S`` is not a positive number.
+        """
+        env = os.environ if env is None else env
+        text = env.get(ATTO_EVENTS_TIMEOUT_S, "").strip()
+        try:
+            timeout = float(text) if text else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise InvalidArgument(f"{ATTO_EVENTS_TIMEOUT_S}: {text!r} is not a number") from None
+        if not timeout > 0:
+            raise InvalidArgument(f"{ATTO_EVENTS_TIMEOUT_S} must be > 0, got {text!r}")
+        return cls(bus=env.get(ATTO_EVENT_BUS, "").strip() or None, timeout_s=timeout)
+
+
+@dataclass(frozen=True)
+class UsageThreshold:
+    """A charge took ``user`` across ``threshold`` percent of one window of their plan.
+
+    Attributes:
+        user: the user's id (the JWT ``sub``).
+        plan: the name of the user's plan.
+        window_s: the window's length in seconds.
+        threshold: the threshold crossed, in percent of ``limit``.
+        used: tokens used in the window after the charge.
+        limit: the window's limit in tokens.
+    """
+
+    user: str
+    plan: str
+    window_s: int
+    threshold: int
+    used: int
+    limit: int
+
+    detail_type = USAGE_THRESHOLD
+
+
+@dataclass(frozen=True)
+class CreditLow:
+    """What is left of ``user``'s credit grants fell below ``threshold`` percent of them.
+
+    Attributes:
+        user: the user's id.
+        plan: the name of the user's plan.
+        threshold: the share crossed, in percent of ``granted``.
+        remaining: tokens left in the user's grants.
+        granted: tokens of those grants in all.
+    """
+
+    user: str
+    plan: str
+    threshold: int
+    remaining: int
+    granted: int
+
+    detail_type = CREDIT_LOW
+
+
+@dataclass(frozen=True)
+class CreditExhausted:
+    """Nothing is left of ``user``'s credit grants.
+
+    Attributes:
+        user: the user's id.
+        plan: the name of the user's plan.
+        granted: tokens of the grants that ran out.
+    """
+
+    user: str
+    plan: str
+    granted: int
+
+    detail_type = CREDIT_EXHAUSTED
+
+
+Event = UsageThreshold | CreditLow | CreditExhausted
+
+
+def threshold_events(user: str, plan: str,
+                     crossings: Sequence[Crossing]) -> list[UsageThreshold]:
+    """One ``UsageThreshold`` per crossing a reservation reported."""
+    return [UsageThreshold(user=user, plan=plan, window_s=round(c.window_s),
+                           threshold=c.threshold, used=c.used, limit=c.limit)
+            for c in crossings]
+
+
+def entry(event: Event, bus: str) -> dict[str, str]:
+    """The PutEvents entry of ``event`` on ``bus``."""
+    return {"Source": SOURCE, "DetailType": event.detail_type, "EventBusName": bus,
+            "Detail": json.dumps(asdict(event), separators=(",", ":"))}
+
+
+class EventPublisher:
+    """Publishes events to one bus, each call bounded by ``settings.timeout_s``.
+
+    Args:
+        settings: the bus and the bound.
+        client: an EventBridge client to use (default: one boto3 client, made on first use
+            with the bound as its timeouts and no retries).
+    """
+
+    def __init__(self, settings: EventSettings, client: Any = None) -> None:
+        self.settings = settings
+        self._client = client
+        self._lock = threading.Lock()
+
+    def _events_client(self) -> Any:
+        with self._lock:  # boto3's default session is not safe to share while it makes one
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+
+                bound = self.settings.timeout_s
+                self._client = boto3.client("events", config=Config(
+                    connect_timeout=bound, read_timeout=bound,
+                    retries={"total_max_attempts": 1, "mode": "standard"}))
+            return self._client
+
+    def _put(self, entries: list[dict[str, str]]) -> int:
+        """Send ``entries`` (in calls of up to ``MAX_ENTRIES``); how many were refused."""
+        client = self._events_client()
+        refused = 0
+        for start in range(0, len(entries), MAX_ENTRIES):
+            answer = client.put_events(Entries=entries[start:start + MAX_ENTRIES])
+            failed = int(answer.get("FailedEntryCount", 0))
+            if failed:
+                refused += failed
+                codes = sorted({e.get("ErrorCode", "?") for e in answer.get("Entries", [])
+                                if e.get("ErrorCode")})
+                obs.logger().error("events refused", extra={"count": failed, "codes": codes})
+        return refused
+
+    async def publish(self, events: Sequence[Event]) -> bool:
+        """Publish ``events``; True when every one was accepted within the bound.
+
+        Never raises: a failure or a timeout is logged and counted as ``EventsFailed``
+        (one per event not confirmed). Without a bus, publishes nothing and returns False.
+        """
+        if not events or self.settings.bus is None:
+            return not events
+        bus = self.settings.bus
+        entries = [entry(e, bus) for e in events]
+        try:
+            async with asyncio.timeout(self.settings.timeout_s):
+                refused = await asyncio.to_thread(self._put, entries)
+        except Exception as exc:  # TimeoutError, botocore errors, no credentials, ...
+            obs.count(obs.EVENTS_FAILED, len(entries))
+            obs.logger().error("events not published", extra={
+                "count": len(entries), "error": type(exc).__name__,
+                "detail_types": sorted({e["DetailType"] for e in entries})})
+            return False
+        if refused:
+            obs.count(obs.EVENTS_FAILED, refused)
+        return refused == 0
+
+
+@cache
+def publisher() -> EventPublisher:
+    """The execution environment's publisher, configured from the environment."""
+    return EventPublisher(EventSettings.from_env())
+
+
+# A restored snapshot must not share the publisher's client and its pooled connections.
+snapstart.after_restore(publisher.cache_clear)
+
+
+_tasks: set[asyncio.Task[bool]] = set()
+
+
+def publish_soon(events: Sequence[Event]) -> None:
+    """Start publishing ``events`` without waiting; ``drain`` waits for it."""
+    if not events:
+        return
+    task = asyncio.get_running_loop().create_task(publisher().publish(list(events)))
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+async def drain() -> None:
+    """Wait for the publications ``publish_soon`` started (each ends within its bound)."""
+    while _tasks:
+        await asyncio.gather(*list(_tasks), return_exceptions=True)

@@ -1,0 +1,200 @@
+"""Usage-threshold and credit events on EventBridge (moto), and what a failed publish costs.
+
+A rule on the bus forwards every ``atto.cloud`` event to an SQS queue, so a test reads
+exactly what was published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from usage_limits.exceptions import InvalidArgument
+from usage_limits.web import events
+from usage_limits.web import observability as obs
+
+BUS = "atto-test-usage"
+
+
+class Bus:
+    """An EventBridge bus (moto) whose ``atto.cloud`` events land in an SQS queue."""
+
+    def __init__(self, name: str = BUS) -> None:
+        self.name = name
+        self.events = boto3.client("events")
+        self.sqs = boto3.client("sqs")
+        self.events.create_event_bus(Name=name)
+        self.queue = self.sqs.create_queue(QueueName=f"{name}-queue")["QueueUrl"]
+        arn = self.sqs.get_queue_attributes(QueueUrl=self.queue, AttributeNames=["QueueArn"])
+        self.events.put_rule(Name=f"{name}-all", EventBusName=name,
+                             EventPattern=json.dumps({"source": [events.SOURCE]}))
+        self.events.put_targets(Rule=f"{name}-all", EventBusName=name, Targets=[
+            {"Id": "queue", "Arn": arn["Attributes"]["QueueArn"]}])
+
+    def received(self) -> list[dict[str, Any]]:
+        """Every event published so far (and not read before), oldest first."""
+        out: list[dict[str, Any]] = []
+        while True:
+            batch = self.sqs.receive_message(QueueUrl=self.queue, MaxNumberOfMessages=10)
+            messages = batch.get("Messages", [])
+            if not messages:
+                return out
+            for message in messages:
+                out.append(json.loads(message["Body"]))
+                self.sqs.delete_message(QueueUrl=self.queue,
+                                        ReceiptHandle=message["ReceiptHandle"])
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """moto's AWS in this process, region us-east-1, metrics collected."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("POWERTOOLS_METRICS_DISABLED", raising=False)
+    obs.reset()
+    with mock_aws():
+        yield
+    obs.reset()
+
+
+def _failed_count() -> float:
+    """``EventsFailed`` counted in this request so far."""
+    found = obs.metrics().metric_set.get(obs.EVENTS_FAILED)
+    return float(sum(found["Value"])) if found else 0.0
+
+
+THRESHOLD = events.UsageThreshold(user="u-1", plan="free", window_s=3600, threshold=80,
+                                  used=85, limit=100)
+
+
+async def test_every_kind_of_event_reaches_the_bus(aws: None) -> None:
+    """Each event arrives once, with its detail-type, source and fields."""
+    bus = Bus()
+    publisher = events.EventPublisher(events.EventSettings(bus=BUS))
+    sent = [THRESHOLD,
+            events.CreditLow(user="u-1", plan="free", threshold=20, remaining=150, granted=1000),
+            events.CreditExhausted(user="u-1", plan="free", granted=1000)]
+    assert await publisher.publish(sent) is True
+    got = bus.received()
+    assert [(e["source"], e["detail-type"]) for e in got] == [
+        (events.SOURCE, events.USAGE_THRESHOLD), (events.SOURCE, events.CREDIT_LOW),
+        (events.SOURCE, events.CREDIT_EXHAUSTED)]
+    assert got[0]["detail"] == {"user": "u-1", "plan": "free", "window_s": 3600,
+                                "threshold": 80, "used": 85, "limit": 100}
+    assert got[2]["detail"] == {"user": "u-1", "plan": "free", "granted": 1000}
+    assert _failed_count() == 0
+
+
+async def test_more_events_than_one_call_takes_all_arrive(aws: None) -> None:
+    """Events beyond PutEvents' ten entries per call go out in further calls."""
+    bus = Bus()
+    publisher = events.EventPublisher(events.EventSettings(bus=BUS))
+    sent = [events.UsageThreshold("u-2", "free", 60, 80, n, 100) for n in range(23)]
+    assert await publisher.publish(sent) is True
+    assert sorted(e["detail"]["used"] for e in bus.received()) == list(range(23))
+
+
+async def test_without_a_bus_nothing_is_published_or_counted(aws: None) -> None:
+    """With no bus configured (local mode) publishing is skipped, not counted as a failure."""
+    bus = Bus()
+    publisher = events.EventPublisher(events.EventSettings(bus=None))
+    assert await publisher.publish([THRESHOLD]) is False
+    assert await publisher.publish([]) is True
+    assert bus.received() == [] and _failed_count() == 0
+
+
+async def test_a_refused_publish_is_counted_and_never_raises(aws: None) -> None:
+    """PutEvents failing (no such bus) returns False, logs, and counts every event lost."""
+    publisher = events.EventPublisher(events.EventSettings(bus="no-such-bus"))
+    assert await publisher.publish([THRESHOLD, THRESHOLD]) is False
+    assert _failed_count() == 2
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A TCP server that accepts connections and never answers (a hung EventBridge)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+async def test_a_hung_endpoint_is_given_up_within_the_bound(
+        monkeypatch: pytest.MonkeyPatch, silent_endpoint: str) -> None:
+    """An endpoint that never answers ends in False and one counted failure, not a hang."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_EVENTBRIDGE", silent_endpoint)
+    monkeypatch.delenv("POWERTOOLS_METRICS_DISABLED", raising=False)
+    obs.reset()
+    publisher = events.EventPublisher(events.EventSettings(bus=BUS, timeout_s=0.3))
+    # Without the bound this would wait forever: the endpoint accepts and never replies.
+    assert await asyncio.wait_for(publisher.publish([THRESHOLD]), timeout=30) is False
+    assert _failed_count() == 1
+    assert publisher._events_client().meta.endpoint_url == silent_endpoint
+    obs.reset()
+
+
+async def test_publish_soon_runs_alongside_and_drain_waits_for_it(
+        aws: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``publish_soon`` does not wait; after ``drain`` the event is on the bus."""
+    bus = Bus()
+    monkeypatch.setenv(events.ATTO_EVENT_BUS, BUS)
+    events.publisher.cache_clear()
+    events.publish_soon([THRESHOLD])
+    events.publish_soon([])
+    await events.drain()
+    assert [e["detail"]["threshold"] for e in bus.received()] == [80]
+    events.publisher.cache_clear()
+
+
+def test_settings_read_the_bus_and_a_positive_bound() -> None:
+    """The bus and the bound come from the environment; a bad bound is a clear error."""
+    assert events.EventSettings.from_env({}) == events.EventSettings(None, 1.0)
+    assert events.EventSettings.from_env(
+        {events.ATTO_EVENT_BUS: " b ", events.ATTO_EVENTS_TIMEOUT_S: "0.25"}
+    ) == events.EventSettings("b", 0.25)
+    for bad in ("0", "-1", "soon", "nan"):
+        with pytest.raises(InvalidArgument, match=events.ATTO_EVENTS_TIMEOUT_S):
+            events.EventSettings.from_env({events.ATTO_EVENTS_TIMEOUT_S: bad})
+
+
+def test_the_web_layer_imports_no_aws_sdk_until_an_event_is_published() -> None:
+    """Importing the web layer (and with it the publisher) loads neither boto3 nor botocore."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys\n"
+            "import usage_limits.web, usage_limits.web.events\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore')))\n")
+    env = {**os.environ, "PYTHONPATH": str(root / "layers" / "usage_limits")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

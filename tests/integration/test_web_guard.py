@@ -71,6 +71,13 @@ def build_app() -> Any:
         await charge.settle(3)
         return {"cost": charge.cost}
 
+    @app.post("/settles-then-fails")
+    async def settles_then_fails(
+            charge: Annotated[Charge, Depends(require_tokens(cost=10))]) -> JSONResponse:
+        await charge.settle(3)
+        return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
+                            status_code=502)
+
     @app.post("/batch")
     async def batch(body: Batch,
                     charge: Annotated[Charge, Depends(require_tokens(cost=PER_ITEM))]
@@ -297,10 +304,12 @@ def test_oversized_body_is_413_and_charges_nothing(
 
 
 def test_settle_lowers_the_charge(web: Any) -> None:
-    """A route may settle a lower actual cost than it reserved."""
+    """A route may settle a lower actual cost than it reserved; its RateLimit header counts
+    the settled cost."""
     user = uuid.uuid4().hex
     res = invoke(web, http_event("POST", "/settles", body={}, user=user))
     assert res.status == 200 and res.body == {"cost": 3}
+    assert res.headers["ratelimit"].startswith('"1h";r=17;')
     assert used(web, user) == 3
 
 
@@ -691,3 +700,14 @@ def test_guard_on_a_route_that_does_not_meter_fails_closed(web: Any) -> None:
                                                          user=user))
     assert res.status == 500 and res.body["error"]["code"] == "internal_error"
     assert calls == [] and used(web, user) == 0
+
+
+def test_settled_then_failed_request_is_refunded_in_full(web: Any) -> None:
+    """A request that settled a lower cost and then failed gets that cost back, and its
+    RateLimit header already counts the refund."""
+    user = uuid.uuid4().hex
+    res = invoke(web, http_event("POST", "/settles-then-fails", body={}, user=user,
+                                 headers={"Idempotency-Key": uuid.uuid4().hex}))
+    assert res.status == 502
+    assert res.headers["ratelimit"].startswith('"1h";r=20;')
+    assert used(web, user) == 0

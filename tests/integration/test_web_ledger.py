@@ -159,3 +159,21 @@ async def test_retry_goes_on_past_a_refund_that_fails(redis_server: RedisServer)
         refunds.clear()
         await good.aclose()
         await dead.aclose()
+
+
+async def test_concurrent_retries_make_each_pending_refund_once(
+        redis_server: RedisServer) -> None:
+    """Two requests served at once (``make serve`` with WORKER_CONCURRENCY > 1) that both
+    retry the pending refunds make each of them once, and neither fails."""
+    client = redis_from_env(url=redis_server.url, retries=0, socket_timeout_s=1.0)
+    user = uuid.uuid4().hex
+    try:
+        ledger = TokenBudget(client, [Window(20, 3600)])
+        d = await ledger.reserve(user, "r1", 5)
+        refunds.keep(Charge(ledger, user, "r1", 5, d.nonce), 3600)
+        landed = await asyncio.gather(refunds.retry(budget_s=2.0), refunds.retry(budget_s=2.0))
+        assert sum(landed) == 1 and refunds.pending() == 0
+        assert (await ledger.usage(user)).windows[0].used == 0
+    finally:
+        refunds.clear()
+        await client.aclose()

@@ -161,12 +161,15 @@ class SupportRefund:
         claimed: the charge's cost when the refund was asked for, tokens.
         tokens: tokens given back (None while the refund is being made).
         change: who asked for it, why and when.
+        nonce: the nonce of the very charge claimed: the refund removes that charge and
+            never a later one of the same id ("" on a record that predates it).
     """
 
     request_id: str
     claimed: int
     tokens: int | None
     change: Change
+    nonce: str = ""
 
 
 @dataclass(frozen=True)

@@ -167,11 +167,14 @@ class Operator:
         """
         rid, cost, nonce = await self._find_charge(user_id, request_id)
         claim, created = await self._run(self.store.claim_support_refund, user_id, rid,
-                                         claimed=cost, actor=actor, reason=reason)
+                                         claimed=cost, actor=actor, reason=reason,
+                                         nonce=nonce)
         if claim.tokens is not None:
             return claim, False
-        # The charge's own nonce: the ledger removes exactly that charge, at most once. No
+        # The claimed charge's own nonce: the ledger removes exactly that charge, at most
+        # once, and never a later charge of the same id (a retry's, after the claim). No
         # nonce means the charge left the log after an earlier claim: that attempt refunded.
+        nonce = claim.nonce or nonce
         refunded = bool(nonce) and await self.budget.refund(user_id, rid, nonce=nonce)
         if not refunded and created:
             # The request path refunded it first (its request failed): nothing to do.

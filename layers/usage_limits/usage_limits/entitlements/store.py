@@ -426,12 +426,15 @@ class EntitlementStore:
             return None
         tokens = item.get("tokens")
         return SupportRefund(request_id, int(item.get("claimed", 0)),
-                             None if tokens is None else int(tokens), _change(item))
+                             None if tokens is None else int(tokens), _change(item),
+                             str(item.get("nonce", "")))
 
     def claim_support_refund(self, user_id: str, request_id: str, *, claimed: int, actor: str,
-                             reason: str, now_ms: int | None = None) -> tuple[SupportRefund, bool]:
+                             reason: str, nonce: str = "",
+                             now_ms: int | None = None) -> tuple[SupportRefund, bool]:
         """Claim the one support refund of a charge of ``claimed`` tokens, before the ledger
-        is touched.
+        is touched. ``nonce`` is that charge's: an attempt that completes the claim removes
+        that very charge, never one a retry made later under the same id.
 
         Returns:
             The claim and True when this call made it; the existing record and False when
@@ -443,6 +446,8 @@ class EntitlementStore:
         change = Change(actor, check_reason(reason), now_ms or _now_ms())
         item = {"pk": _pk(user_id), "sk": _REFUND + _check_request_id(request_id),
                 "request_id": request_id, "claimed": claimed, **_change_attrs(change)}
+        if nonce:
+            item["nonce"] = nonce
         try:
             self._call(self.client.put_item, TableName=self.table, Item=self._ser(item),
                        ConditionExpression="attribute_not_exists(pk)")
@@ -451,7 +456,7 @@ class EntitlementStore:
             if existing is None:
                 raise StoreUnavailable("the refund claim vanished") from exc
             return existing, False
-        return SupportRefund(request_id, claimed, None, change), True
+        return SupportRefund(request_id, claimed, None, change, nonce), True
 
     def finish_support_refund(self, claim: SupportRefund, user_id: str, tokens: int) -> \
             SupportRefund:
@@ -469,7 +474,7 @@ class EntitlementStore:
             existing = self.support_refund(user_id, claim.request_id)
             if existing is not None:
                 return existing
-        return SupportRefund(claim.request_id, claim.claimed, tokens, claim.change)
+        return SupportRefund(claim.request_id, claim.claimed, tokens, claim.change, claim.nonce)
 
     def drop_support_refund(self, claim: SupportRefund, user_id: str) -> None:
         """Forget an unfinished claim whose charge was not in the ledger (nothing changed)."""

@@ -242,15 +242,19 @@ def _window_fields(limit: int, window_s: float) -> tuple[str, str]:
 def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes, bytes]]:
     """IETF ``RateLimit-Policy`` and ``RateLimit`` fields, one item per window, in tokens.
 
-    When the request failed and its charge is about to be refunded, ``r`` already counts the
-    refund, so the client sees what it really has left. ``t`` is 0 for a window that holds
+    The windows are as the reservation left them; ``r`` also counts what the request gave
+    back since: a settle's difference, and when the request failed, the refund about to be
+    made, so the client sees what it really has left. ``t`` is 0 for a window that holds
     nothing (after that refund).
     """
     reservation = state.reservation
     windows = reservation.windows if reservation is not None else state.windows
     if not windows:
         return []
-    give_back = state.charge.cost if (refunding and state.charge) else 0
+    charge = state.charge
+    give_back = 0
+    if charge is not None and charge.reservation is not None:
+        give_back = charge.reservation.cost - (0 if refunding else charge.cost)
     now = time.time()
     policies, limits = [], []
     for w in windows:

@@ -67,7 +67,9 @@ async def retry(budget_s: float = RETRY_BUDGET_S) -> int:
     """Try the pending refunds, oldest first, within ``budget_s`` seconds in all.
 
     A refund that fails or runs out of time stays pending, and the next one is tried while
-    time is left: one refund that keeps failing holds up none of the others.
+    time is left: one refund that keeps failing holds up none of the others. A refund is
+    taken out of the list while it is tried, so requests served at once (a local server
+    with several workers) never try the same one twice.
 
     Returns:
         How many refunds removed a charge.
@@ -79,8 +81,9 @@ async def retry(budget_s: float = RETRY_BUDGET_S) -> int:
         left = end - time.monotonic()
         if left <= 0:
             break
+        if not _take(item):
+            continue  # another request is trying it, or has made it
         if time.monotonic() > item.keep_until:
-            _pending.remove(item)
             obs.count(obs.REFUNDS_LOST)
             obs.logger().error("pending refund expired", extra={
                 "request_id": item.charge.request_id})
@@ -91,8 +94,8 @@ async def retry(budget_s: float = RETRY_BUDGET_S) -> int:
         except Exception:  # Redis still unavailable or too slow (TimeoutError): keep it
             obs.logger().warning("pending refund failed again; kept", extra={
                 "request_id": item.charge.request_id})
+            _put_back(item)
             continue
-        _pending.remove(item)
         if removed:  # False: the charge was never made (only its reply was lost) or is gone
             landed += 1
             obs.count(obs.TOKENS_REFUNDED, item.cost)
@@ -100,6 +103,22 @@ async def retry(budget_s: float = RETRY_BUDGET_S) -> int:
                 "request_id": item.charge.request_id,
                 "delay_s": round(time.monotonic() - item.failed_at, 3)})
     return landed
+
+
+def _take(item: _Pending) -> bool:
+    """Remove ``item`` itself from the pending list; False when it is no longer there."""
+    for i, other in enumerate(_pending):
+        if other is item:
+            del _pending[i]
+            return True
+    return False
+
+
+def _put_back(item: _Pending) -> None:
+    """Return a refund that failed again to its place among the pending ones (by age)."""
+    at = next((i for i, other in enumerate(_pending) if other.failed_at > item.failed_at),
+              len(_pending))
+    _pending.insert(at, item)
 
 
 def clear() -> None:

@@ -18,14 +18,16 @@ if TYPE_CHECKING:
 _client: Any = None
 _client_loop: asyncio.AbstractEventLoop | None = None
 _injected: Any = None
-#: The environment's ledger: (client, plan, budget) of the last get_budget, or None.
-_budget: tuple[Any, tuple[tuple[int, int], ...], TokenBudget] | None = None
+#: The environment's ledgers, one per plan, over the client they were made for.
+_budgets: dict[tuple[tuple[int, int], ...], TokenBudget] = {}
+_budgets_client: Any = None
 
 
 def set_redis(client: Any) -> None:
     """Use ``client`` for every request of this process (tests, custom wiring); None resets."""
-    global _injected, _client, _client_loop, _budget
-    _injected, _client, _client_loop, _budget = client, None, None, None
+    global _injected, _client, _client_loop, _budgets_client
+    _injected, _client, _client_loop, _budgets_client = client, None, None, None
+    _budgets.clear()
 
 
 def get_redis() -> Any:
@@ -47,18 +49,20 @@ def get_redis() -> Any:
 
 def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
     """The ledger over the shared client for the given plan, made once per client and plan
-    (a TokenBudget encodes its plan's script arguments when it is made); one is kept, since
-    an environment has one client and one plan."""
-    global _budget
+    (a TokenBudget encodes its plan's script arguments when it is made). A deployment has a
+    few named plans, so one is kept per plan; a new client starts them afresh."""
+    global _budgets_client
     client = get_redis()
-    current = _budget
-    if current is not None and current[0] is client and current[1] == windows:
-        return current[2]
+    if _budgets_client is not client:
+        _budgets.clear()
+        _budgets_client = client
+    budget = _budgets.get(windows)
+    if budget is not None:
+        return budget
     from ..budget import TokenBudget, Window
     from ..thresholds import configured
 
-    budget = TokenBudget(client, windows=[Window(limit=limit, seconds=seconds)
-                                          for limit, seconds in windows],
-                         thresholds=configured())
-    _budget = (client, windows, budget)
+    budget = _budgets[windows] = TokenBudget(
+        client, windows=[Window(limit=limit, seconds=seconds) for limit, seconds in windows],
+        thresholds=configured())
     return budget

@@ -84,7 +84,7 @@ bench: $(STAMP) redis-server ## Run the benchmarks and print their tables (QUICK
 	$(PY) bench/cold_start.py $(if $(QUICK),--quick)
 
 .PHONY: lint
-lint: $(STAMP) $(CHECKOV_STAMP) ## ruff, mypy and checkov.
+lint: $(STAMP) checkov-tools ## ruff, mypy and checkov.
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(CHECKOV) $(CHECKOV_ARGS)

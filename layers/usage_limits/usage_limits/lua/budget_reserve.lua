@@ -219,18 +219,16 @@ local function reply(status, retry, binding)
   return out
 end
 
-local fits = true
-local live = nil
+local fits, quota_short = true, false
 for i, w in ipairs(call_windows) do
   if w == quota_w then
     local need = used_of(w) + cost - limits[i]
     if need > 0 then
       local want = math.min(need, cost)
-      local avail
-      live, avail = live_grants(ent, now)
+      local live, avail = live_grants(ent, now)
       credit = avail
       if avail < want then
-        fits = false
+        fits, quota_short = false, true
       else
         for _, g in ipairs(live) do
           if want == 0 then break end
@@ -296,7 +294,8 @@ elseif not redis.call('ZSCORE', log_key, request_id) then
   local retry, binding = 0, 0
   for i, w in ipairs(call_windows) do
     local total = used_of(w)
-    if total + cost > limits[i] then
+    -- the quota fails only when the grants could not cover what it lacks
+    if total + cost > limits[i] and (w ~= quota_w or quota_short) then
       local quota = w == quota_w and m.windows[w].drawn > 0
       local wait = wait_ms(now, w, total + cost - limits[i], quota)
       if wait > retry then retry, binding = wait, i end

@@ -8,6 +8,7 @@ not cover is drawn from grants while the hourly window still applies.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import time
 import uuid
@@ -372,3 +373,27 @@ def test_replays_of_a_suspended_user_are_refused(env: Any) -> None:
     assert embed_one(user, headers=headers).status == 200
     op("PUT", f"/admin/v1/users/{user}/suspension", {"reason": "abuse"})
     assert embed_one(user, headers=headers).status == 403
+
+
+def test_loads_overtaken_by_invalidations_give_up_after_a_bound(env: Any,
+                                                                emulator: EmulatorProcess) -> None:
+    """When every load is refused (an invalidation always wants a newer epoch), a request
+    makes at most MAX_LOADS loads, then answers 503 with nothing charged and no provider
+    called."""
+    from usage_limits.entitlements.cache import MAX_LOADS
+
+    user = uuid.uuid4().hex
+    assert embed(user, 1) == [200]
+    before = store().epoch(user)
+
+    async def invalidate() -> None:
+        budget = runtime.get_budget(((40, 3600), (4, 2592000)))
+        await budget.invalidate_entitlements(user, epoch=before + 1000)
+
+    asyncio.get_event_loop().run_until_complete(invalidate())  # the Lambda loop
+    calls = llm_calls(emulator)
+    res = embed_one(user)
+    assert res.status == 503 and res.body["error"]["code"] == "limiter_unavailable"
+    assert store().epoch(user) == before + MAX_LOADS
+    assert llm_calls(emulator) == calls
+    assert usage(user).status == 503

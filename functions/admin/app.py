@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from usage_limits.entitlements import Grant, NotFound, StoreUnavailable, iso
+from usage_limits.entitlements.exceptions import NotRefreshed
 from usage_limits.entitlements.models import MAX_GRANT_TOKENS, MAX_REASON, Change, Suspension
 from usage_limits.entitlements.operator import Operator, Picture
 from usage_limits.entitlements.store import MAX_AUDIT, default_store
@@ -85,6 +86,11 @@ async def invalid_argument(_: Request, exc: InvalidArgument) -> JSONResponse:
 @app.exception_handler(NotFound)
 async def not_found(_: Request, exc: NotFound) -> JSONResponse:
     return error_response(404, "not_found", str(exc))
+
+
+@app.exception_handler(NotRefreshed)
+async def not_refreshed(_: Request, exc: NotRefreshed) -> JSONResponse:
+    return error_response(503, "not_refreshed", str(exc), headers=retry_after_header(1))
 
 
 @app.exception_handler(StoreUnavailable)

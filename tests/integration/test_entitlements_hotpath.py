@@ -397,3 +397,29 @@ def test_loads_overtaken_by_invalidations_give_up_after_a_bound(env: Any,
     assert store().epoch(user) == before + MAX_LOADS
     assert llm_calls(emulator) == calls
     assert usage(user).status == 503
+
+
+def test_a_change_whose_refresh_failed_says_so_and_a_repeat_applies_it(env: Any) -> None:
+    """With Redis unreachable right after the change commits, the admin route answers 503
+    not_refreshed (the change is recorded); repeating it once Redis is back refreshes the
+    copy, and the user's next request is refused as suspended."""
+    import redis.asyncio as aioredis
+
+    from local.redis_servers import free_port
+
+    user = uuid.uuid4().hex
+    assert embed(user, 1) == [200]
+    runtime.set_redis(aioredis.Redis(host="127.0.0.1", port=free_port(),
+                                     socket_connect_timeout=0.2, socket_timeout=0.2))
+    try:
+        event = http_event("PUT", f"/admin/v1/users/{user}/suspension",
+                           body={"reason": "abuse"}, user=None)
+        event["requestContext"]["authorizer"] = {"iam": {"userArn": OPERATOR}}
+        res = invoke(admin.handler, event)
+    finally:
+        runtime.set_redis(None)
+    assert res.status == 503 and res.body["error"]["code"] == "not_refreshed"
+    assert store().load(user).suspension is not None  # recorded
+    assert embed(user, 1) == [200]  # the cached copy still says not suspended
+    op("PUT", f"/admin/v1/users/{user}/suspension", {"reason": "abuse"})
+    assert embed(user, 1) == [403]

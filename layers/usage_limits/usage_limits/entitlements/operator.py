@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..exceptions import InvalidArgument
-from .exceptions import NotFound
+from ..exceptions import InvalidArgument, LimiterUnavailable
+from .exceptions import NotFound, NotRefreshed, StoreUnavailable
 from .models import AuditEntry, Grant, PlanOverride, SupportRefund, Suspension, UserEntitlements
 from .plans import Plan, Plans, PlanSource
 
@@ -77,9 +77,19 @@ class Operator:
         self.cache = cache
 
     async def _refresh(self, user_id: str) -> None:
-        """Make the user's next request load what the store now holds."""
-        if self.cache is not None:
+        """Make the user's next request load what the store now holds.
+
+        Raises:
+            NotRefreshed: DynamoDB or Redis failed (the change itself is committed).
+        """
+        if self.cache is None:
+            return
+        try:
             await self.cache.refresh(self.budget, user_id)
+        except (StoreUnavailable, LimiterUnavailable) as exc:
+            raise NotRefreshed("the change is recorded, but the user's cached entitlements "
+                               "could not be refreshed; repeat the call (it is idempotent)"
+                               ) from exc
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)

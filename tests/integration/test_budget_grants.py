@@ -468,3 +468,27 @@ async def test_entitlements_off_ignore_ent_and_run_the_same_commands(redis_clien
     assert keys == user_keys(uid, "log", "ev", "meta")
     assert await off.refund(uid, "a", nonce=d.nonce)
     assert (await on.reserve(uid, "c", 1, now_ms=T0, plan_name="free")).status == "suspended"
+
+
+async def test_a_cost_that_fits_the_callers_plan_is_not_refused_early(redis_client,  # type: ignore[no-untyped-def]
+                                                                      uid) -> None:
+    """With entitlements on, a cost above the default plan's limit but within the plan the
+    caller passes is charged, not refused before Redis."""
+    budget = TokenBudget(redis_client, TINY, entitlements=True)
+    await load(budget, uid)
+    d = await budget.reserve(uid, "a", 9, windows=FREE, now_ms=T0)
+    assert (d.status, [w.used for w in d.windows]) == ("charged", [9, 9])
+    with pytest.raises(CostExceedsLimit):
+        await budget.reserve(uid, "b", 11, windows=FREE, now_ms=T0)
+
+
+async def test_a_resent_reservation_of_another_call_reports_no_credit(redis_client,  # type: ignore[no-untyped-def]
+                                                                      uid) -> None:
+    """A second reservation of an id already charged (another nonce) draws nothing and
+    reports neither draws nor credit, even when the quota is full."""
+    budget = budget_on(redis_client)
+    await load(budget, uid, grant("g", 10))
+    await fill_quota(budget, uid)
+    d = await budget.reserve(uid, "fill1", 3, now_ms=T0 + 2 * MIN, plan_name="free")
+    assert (d.status, d.draws, d.credit) == ("duplicate", (), None)
+    assert await remaining(budget, uid, T0 + 2 * MIN) == {"g": 10}

@@ -320,7 +320,7 @@ end
 save_meta(m, now, longest)
 local rec = redis.call('HGET', ev_key, request_id)
 local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
-draws, drawn = {}, 0
+draws, drawn, credit = {}, 0, -1
 if ent and same_call then
   -- a re-send: report the draws its first run made, nothing drawn now
   local epoch, list = parse_draws(redis.call('HGET', dr_key, request_id))
@@ -331,5 +331,4 @@ if ent and same_call then
     credit = avail
   end
 end
-if ent and not same_call then credit = -1 end
 return reply(same_call and 1 or 2, 0, 0)

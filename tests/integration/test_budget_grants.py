@@ -492,3 +492,23 @@ async def test_a_resent_reservation_of_another_call_reports_no_credit(redis_clie
     d = await budget.reserve(uid, "fill1", 3, now_ms=T0 + 2 * MIN, plan_name="free")
     assert (d.status, d.draws, d.credit) == ("duplicate", (), None)
     assert await remaining(budget, uid, T0 + 2 * MIN) == {"g": 10}
+
+
+async def test_usage_read_twice_answers_the_same_and_changes_nothing(redis_client,  # type: ignore[no-untyped-def]
+                                                                     uid) -> None:
+    """A usage read run twice (a re-send) reports the same plan, grants, draws and windows,
+    and leaves grants and draws as they were."""
+    budget = budget_on(redis_client)
+    await load(budget, uid, grant("g", 10), plan="pro")
+    for i, cost in enumerate((40, 40, 30)):
+        d = await budget.reserve(uid, f"r{i}", cost, now_ms=T0 + i * MIN, plan_name="free")
+        assert d.status == "charged"
+    twice = budget_on(Resending(redis_client))
+    first = await budget.usage(uid, now_ms=T0 + 3 * MIN, plan_name="free")
+    again = await twice.usage(uid, now_ms=T0 + 3 * MIN, plan_name="free")
+    assert first == again
+    assert (first.plan_name, [w.used for w in first.windows]) == ("pro", [0, 100])
+    assert first.events[0].draws == (("g", 10),) and first.grants[0].remaining == 0
+    ent, dr = user_keys(uid, "ent", "dr")
+    assert await redis_client.hget(dr, "r2") == b"#1 g=10"
+    assert (await redis_client.hget(ent, "g:g")).startswith(b"0 0 paid 0 10")

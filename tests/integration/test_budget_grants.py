@@ -14,7 +14,7 @@ import pytest
 from tests.resend import Resending
 from usage_limits import CostExceedsLimit, TokenBudget, Window
 from usage_limits._scripts import script
-from usage_limits.budget import CreditCrossing, LiveGrant
+from usage_limits.budget import CreditCrossing, LiveGrant, new_nonce
 from usage_limits.keys import user_keys
 
 T0 = 1_700_000_000_000
@@ -512,3 +512,31 @@ async def test_usage_read_twice_answers_the_same_and_changes_nothing(redis_clien
     ent, dr = user_keys(uid, "ent", "dr")
     assert await redis_client.hget(dr, "r2") == b"#1 g=10"
     assert (await redis_client.hget(ent, "g:g")).startswith(b"0 0 paid 0 10")
+
+
+@pytest.mark.parametrize("change", ["suspended", "invalidated", "smaller plan"])
+async def test_a_resent_charge_is_reported_after_the_user_changed(redis_client, uid,  # type: ignore[no-untyped-def]
+                                                                  change) -> None:
+    """A re-send of a call that charged, arriving after a suspension, an invalidation or an
+    override to a plan its cost exceeds, reports the charge and its draws (so the caller
+    can refund it), and charges or draws nothing more."""
+    budget = budget_on(redis_client)
+    await load(budget, uid, grant("g", 10))
+    await fill_quota(budget, uid)
+    nonce = new_nonce()
+    d = await budget.reserve(uid, "x", 6, now_ms=T0 + 2 * MIN, plan_name="free", nonce=nonce)
+    assert d.draws == (("g", 6),)
+    if change == "suspended":
+        await load(budget, uid, grant("g", 10, remaining=4), susp=0, epoch=2)
+    elif change == "invalidated":
+        await budget.invalidate_entitlements(uid, epoch=2)
+    else:
+        await load(budget, uid, grant("g", 10, remaining=4), plan="tiny", epoch=2)
+    again = await budget.reserve(uid, "x", 6, now_ms=T0 + 2 * MIN, plan_name="free",
+                                 nonce=nonce)
+    assert (again.status, again.draws, again.epoch) == ("charged", (("g", 6),), 1)
+    other = await budget.reserve(uid, "y", 1, now_ms=T0 + 2 * MIN, plan_name="free")
+    assert other.status == {"suspended": "suspended", "invalidated": "not_loaded",
+                            "smaller plan": "rejected"}[change]
+    plain = await TokenBudget(redis_client, FREE).usage(uid, now_ms=T0 + 2 * MIN)
+    assert [w.used for w in plain.windows] == [6, 26]

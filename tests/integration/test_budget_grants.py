@@ -540,3 +540,21 @@ async def test_a_resent_charge_is_reported_after_the_user_changed(redis_client, 
                             "smaller plan": "rejected"}[change]
     plain = await TokenBudget(redis_client, FREE).usage(uid, now_ms=T0 + 2 * MIN)
     assert [w.used for w in plain.windows] == [6, 26]
+
+
+async def test_quota_thresholds_count_what_grants_did_not_cover(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """Usage thresholds of the quota window use t - d: reaching the quota reports 100% once,
+    and charges drawn from grants afterwards report no more crossings."""
+    from usage_limits.thresholds import Thresholds
+
+    budget = budget_on(redis_client, thresholds=Thresholds((80, 100), 5))
+    await load(budget, uid, grant("g", 50))
+    d = await budget.reserve(uid, "a", 8, now_ms=T0, plan_name="free")
+    assert [(c.window_s, c.threshold) for c in d.crossings] == [(60.0, 80)]
+    d = await budget.reserve(uid, "b", 9, now_ms=T0 + MIN, plan_name="free")
+    assert [(c.window_s, c.threshold) for c in d.crossings] == [(60.0, 80), (3600.0, 80)]
+    d = await budget.reserve(uid, "c", 7, now_ms=T0 + 2 * MIN, plan_name="free")
+    assert d.drawn == 4 and [w.used for w in d.windows] == [7, 20]
+    assert [(c.window_s, c.threshold, c.used) for c in d.crossings] == [(3600.0, 100, 20)]
+    d = await budget.reserve(uid, "d", 5, now_ms=T0 + 3 * MIN, plan_name="free")
+    assert d.drawn == 5 and d.crossings == ()

@@ -15,8 +15,9 @@ Lua garbage of the naive script is collected (unmeasured) after each of its runs
 A second table measures entitlements (plan overrides, grants, suspensions) on the same
 server in the same rounds, 10 events in each user's window: plain reserve (entitlements
 off), entitlements on with an empty ent, with a plan override, with 3 grants that do not
-draw, and with 3 grants that every call draws from (a 1-token quota, so each cost-1 call is
-covered by the earliest grant); each row's p50 and Redis time against plain's.
+draw, and with 3 grants drawn from (a 1-token quota: about 9 calls in 10 overflow it and
+draw from the earliest grant; the ``drawn`` column counts them); each row's p50 and Redis
+time against plain's.
 
     .venv/bin/python bench/budget.py            # full run (about a minute)
     .venv/bin/python bench/budget.py --quick    # fewer calls per size

@@ -14,7 +14,7 @@ import pytest
 from tests.resend import Resending
 from usage_limits import CostExceedsLimit, TokenBudget, Window
 from usage_limits._scripts import script
-from usage_limits.budget import CreditCrossing, LiveGrant
+from usage_limits.budget import CreditCrossing, LiveGrant, new_nonce
 from usage_limits.keys import user_keys
 
 T0 = 1_700_000_000_000
@@ -468,3 +468,93 @@ async def test_entitlements_off_ignore_ent_and_run_the_same_commands(redis_clien
     assert keys == user_keys(uid, "log", "ev", "meta")
     assert await off.refund(uid, "a", nonce=d.nonce)
     assert (await on.reserve(uid, "c", 1, now_ms=T0, plan_name="free")).status == "suspended"
+
+
+async def test_a_cost_that_fits_the_callers_plan_is_not_refused_early(redis_client,  # type: ignore[no-untyped-def]
+                                                                      uid) -> None:
+    """With entitlements on, a cost above the default plan's limit but within the plan the
+    caller passes is charged, not refused before Redis."""
+    budget = TokenBudget(redis_client, TINY, entitlements=True)
+    await load(budget, uid)
+    d = await budget.reserve(uid, "a", 9, windows=FREE, now_ms=T0)
+    assert (d.status, [w.used for w in d.windows]) == ("charged", [9, 9])
+    with pytest.raises(CostExceedsLimit):
+        await budget.reserve(uid, "b", 11, windows=FREE, now_ms=T0)
+
+
+async def test_a_resent_reservation_of_another_call_reports_no_credit(redis_client,  # type: ignore[no-untyped-def]
+                                                                      uid) -> None:
+    """A second reservation of an id already charged (another nonce) draws nothing and
+    reports neither draws nor credit, even when the quota is full."""
+    budget = budget_on(redis_client)
+    await load(budget, uid, grant("g", 10))
+    await fill_quota(budget, uid)
+    d = await budget.reserve(uid, "fill1", 3, now_ms=T0 + 2 * MIN, plan_name="free")
+    assert (d.status, d.draws, d.credit) == ("duplicate", (), None)
+    assert await remaining(budget, uid, T0 + 2 * MIN) == {"g": 10}
+
+
+async def test_usage_read_twice_answers_the_same_and_changes_nothing(redis_client,  # type: ignore[no-untyped-def]
+                                                                     uid) -> None:
+    """A usage read run twice (a re-send) reports the same plan, grants, draws and windows,
+    and leaves grants and draws as they were."""
+    budget = budget_on(redis_client)
+    await load(budget, uid, grant("g", 10), plan="pro")
+    for i, cost in enumerate((40, 40, 30)):
+        d = await budget.reserve(uid, f"r{i}", cost, now_ms=T0 + i * MIN, plan_name="free")
+        assert d.status == "charged"
+    twice = budget_on(Resending(redis_client))
+    first = await budget.usage(uid, now_ms=T0 + 3 * MIN, plan_name="free")
+    again = await twice.usage(uid, now_ms=T0 + 3 * MIN, plan_name="free")
+    assert first == again
+    assert (first.plan_name, [w.used for w in first.windows]) == ("pro", [0, 100])
+    assert first.events[0].draws == (("g", 10),) and first.grants[0].remaining == 0
+    ent, dr = user_keys(uid, "ent", "dr")
+    assert await redis_client.hget(dr, "r2") == b"#1 g=10"
+    assert (await redis_client.hget(ent, "g:g")).startswith(b"0 0 paid 0 10")
+
+
+@pytest.mark.parametrize("change", ["suspended", "invalidated", "smaller plan"])
+async def test_a_resent_charge_is_reported_after_the_user_changed(redis_client, uid,  # type: ignore[no-untyped-def]
+                                                                  change) -> None:
+    """A re-send of a call that charged, arriving after a suspension, an invalidation or an
+    override to a plan its cost exceeds, reports the charge and its draws (so the caller
+    can refund it), and charges or draws nothing more."""
+    budget = budget_on(redis_client)
+    await load(budget, uid, grant("g", 10))
+    await fill_quota(budget, uid)
+    nonce = new_nonce()
+    d = await budget.reserve(uid, "x", 6, now_ms=T0 + 2 * MIN, plan_name="free", nonce=nonce)
+    assert d.draws == (("g", 6),)
+    if change == "suspended":
+        await load(budget, uid, grant("g", 10, remaining=4), susp=0, epoch=2)
+    elif change == "invalidated":
+        await budget.invalidate_entitlements(uid, epoch=2)
+    else:
+        await load(budget, uid, grant("g", 10, remaining=4), plan="tiny", epoch=2)
+    again = await budget.reserve(uid, "x", 6, now_ms=T0 + 2 * MIN, plan_name="free",
+                                 nonce=nonce)
+    assert (again.status, again.draws, again.epoch) == ("charged", (("g", 6),), 1)
+    other = await budget.reserve(uid, "y", 1, now_ms=T0 + 2 * MIN, plan_name="free")
+    assert other.status == {"suspended": "suspended", "invalidated": "not_loaded",
+                            "smaller plan": "rejected"}[change]
+    plain = await TokenBudget(redis_client, FREE).usage(uid, now_ms=T0 + 2 * MIN)
+    assert [w.used for w in plain.windows] == [6, 26]
+
+
+async def test_quota_thresholds_count_what_grants_did_not_cover(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """Usage thresholds of the quota window use t - d: reaching the quota reports 100% once,
+    and charges drawn from grants afterwards report no more crossings."""
+    from usage_limits.thresholds import Thresholds
+
+    budget = budget_on(redis_client, thresholds=Thresholds((80, 100), 5))
+    await load(budget, uid, grant("g", 50))
+    d = await budget.reserve(uid, "a", 8, now_ms=T0, plan_name="free")
+    assert [(c.window_s, c.threshold) for c in d.crossings] == [(60.0, 80)]
+    d = await budget.reserve(uid, "b", 9, now_ms=T0 + MIN, plan_name="free")
+    assert [(c.window_s, c.threshold) for c in d.crossings] == [(60.0, 80), (3600.0, 80)]
+    d = await budget.reserve(uid, "c", 7, now_ms=T0 + 2 * MIN, plan_name="free")
+    assert d.drawn == 4 and [w.used for w in d.windows] == [7, 20]
+    assert [(c.window_s, c.threshold, c.used) for c in d.crossings] == [(3600.0, 100, 20)]
+    d = await budget.reserve(uid, "d", 5, now_ms=T0 + 3 * MIN, plan_name="free")
+    assert d.drawn == 5 and d.crossings == ()

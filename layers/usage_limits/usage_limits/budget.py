@@ -678,7 +678,7 @@ class TokenBudget:
         smallest, tail = self._default_args if plan is self.windows else _plan_args(plan)
         # with entitlements on an override may change the plan: the script checks the plan
         # it uses, and only a cost no plan could admit is refused here
-        if cost > (self._any_plan_smallest if self.entitlements else smallest):
+        if cost > (max(smallest, self._any_plan_smallest) if self.entitlements else smallest):
             w = next(w for w in plan if cost > w.limit)
             raise CostExceedsLimit(
                 f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",

@@ -55,7 +55,8 @@ Returns {status, retry_after_ms, binding, then per plan window: used, resets_at_
                   0 rejected: some window lacks room, nothing charged;
                   entitlements on only: 3 suspended, 4 not loaded (ent has no epoch),
                   5 cost above a window's limit of the plan used (binding names it);
-                  nothing is charged, advanced or written for 3, 4 and 5
+                  nothing is charged, advanced or written for 3, 4 and 5; a re-send of
+                  a call that charged is answered as that charge (1) instead
   retry_after_ms  0 unless rejected; else ms until enough of the oldest events have left
                   every failing window (the longest of their waits)
   binding         when rejected, the position (1-based) of the window with that wait; else 0
@@ -180,10 +181,23 @@ local function ent_block()
   return out
 end
 
+-- A re-send of this very call that already charged (its reply was lost) is answered as that
+-- charge even when the user has since been suspended, invalidated or moved to a plan the
+-- cost exceeds: the caller must learn of the charge (to refund it), not be told "nothing".
+local function charged_by_this_call()
+  if not redis.call('ZSCORE', log_key, request_id) then return false end
+  local rec = redis.call('HGET', ev_key, request_id)
+  return rec and string.match(rec, '^%d+ (%S+)') == nonce
+end
+
+local resent = false
 if dr_key then
   ent = load_ent(ent_key)
-  if not ent.epoch then return {4, 0, 0, ent_block()} end
-  draw_epoch = ent.epoch
+  if not ent.epoch then
+    resent = charged_by_this_call()
+    if not resent then return {4, 0, 0, ent_block()} end
+  end
+  draw_epoch = ent.epoch or 0
 end
 
 local m = load_meta()
@@ -191,8 +205,11 @@ local now = math.max(now_arg, m.clk)
 
 if ent then
   if ent.susp and (ent.susp == 0 or now < ent.susp) then
-    susp_out = ent.susp
-    return {3, 0, 0, ent_block()}
+    resent = resent or charged_by_this_call()
+    if not resent then
+      susp_out = ent.susp
+      return {3, 0, 0, ent_block()}
+    end
   end
   if ent.plan and ent.plan ~= plan_name then
     for name, spec in string.gmatch(catalog, '([^;=]+)=([^;]*)') do
@@ -205,7 +222,10 @@ if ent then
     end
   end
   for i = 1, nw do
-    if cost > limits[i] then return {5, 0, i, ent_block()} end
+    if cost > limits[i] and not resent then
+      resent = charged_by_this_call()
+      if not resent then return {5, 0, i, ent_block()} end
+    end
   end
   quota_w = call_windows[nw]
   m.quota = quota_w
@@ -320,7 +340,7 @@ end
 save_meta(m, now, longest)
 local rec = redis.call('HGET', ev_key, request_id)
 local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
-draws, drawn = {}, 0
+draws, drawn, credit = {}, 0, -1
 if ent and same_call then
   -- a re-send: report the draws its first run made, nothing drawn now
   local epoch, list = parse_draws(redis.call('HGET', dr_key, request_id))
@@ -331,5 +351,4 @@ if ent and same_call then
     credit = avail
   end
 end
-if ent and not same_call then credit = -1 end
 return reply(same_call and 1 or 2, 0, 0)

@@ -2,12 +2,18 @@
 
 The functions reach it over HTTP through ``ATTO_DYNAMODB_ENDPOINT``, with the same boto3
 code path as in AWS, so every worker process of ``make serve`` shares one table.
+
+moto's backends are not safe to run from several threads at once (two transactions on one
+item can interleave, or fail with "dictionary changed size during iteration"), so the
+server handles one request at a time, as DynamoDB's own serialisation of writes to an item
+would: connections are still accepted concurrently (HTTP/1.0, one request each).
 """
 
 from __future__ import annotations
 
 import os
 from types import TracebackType
+from typing import Any
 
 from .redis_servers import free_port
 
@@ -32,12 +38,11 @@ class DynamoServer:
     def __enter__(self) -> DynamoServer:
         import warnings
 
+        self.port = free_port()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from moto.server import ThreadedMotoServer
-
-        self.port = free_port()
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+            server = _serial_moto_server(ip_address="127.0.0.1", port=self.port,
+                                         verbose=False)
         server.start()
         self._server = server
         self.url = f"http://127.0.0.1:{self.port}"
@@ -59,3 +64,33 @@ class DynamoServer:
         if self._server is not None:
             self._server.stop()  # type: ignore[attr-defined]
             self._server = None
+
+
+def _serial_moto_server(**kwargs: object) -> Any:
+    """moto's threaded server whose application runs one request at a time (moto is
+    imported here, when the local stack first needs it)."""
+    import threading
+
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
+
+    class Serial(ThreadedMotoServer):  # type: ignore[misc]
+        def _server_entry(self) -> None:
+            app = DomainDispatcherApplication(create_backend_app)
+            lock = threading.Lock()
+
+            def serial(environ: dict[str, object], start_response: object) -> list[bytes]:
+                with lock:
+                    return list(app(environ, start_response))
+
+            self._server = make_server(self._ip_address, self._port, serial, True,
+                                       request_handler=MotoRequestHandler)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    return Serial(**kwargs)

@@ -3,7 +3,9 @@
 With ``REDIS_URL`` unset a private redis-server is started; with ``LLM_BASE_URL`` unset the
 offline provider emulator is started and every provider's base URL and key point at it;
 with ``ATTO_ENTITLEMENTS_TABLE`` unset a local DynamoDB (moto's server) with the
-entitlements table is started.
+entitlements table is started; with neither ``ATTO_PLANS`` nor ``ATTO_BUDGET`` set, the
+plans are ``LOCAL_PLANS``: the usual budget as the default plan, and a ``free`` plan with a
+small monthly quota (chosen with ``X-Atto-Plan: free``) to try credit grants on.
 Local mode (``ATTO_ENV=local``) is always on here.
 """
 
@@ -39,6 +41,12 @@ LOCAL_DEFAULTS = {"LOG_LEVEL": "WARNING", "POWERTOOLS_METRICS_DISABLED": "true",
                   "REDIS_AUTH": "none", "REDIS_CLUSTER": "false"}
 
 
+#: The plans of the local stack when the shell defines none: ``default`` is the usual
+#: ATTO_BUDGET (every example's plan); ``free`` runs out of its 30-day quota after 24
+#: tokens, so a grant's draws can be seen within minutes (README, docs/entitlements.md).
+LOCAL_PLANS = "default=100/1h,1000/30d;free=100/1h,24/30d"
+
+
 def _emulator_port(env: dict[str, str]) -> int:
     """``EMULATOR_PORT`` (default 8100) when free, else any free port (0)."""
     import socket
@@ -60,6 +68,8 @@ def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
     for name, value in LOCAL_DEFAULTS.items():
         if name not in env:
             started[name] = value
+    if not env.get("ATTO_PLANS") and not env.get("ATTO_BUDGET"):
+        started["ATTO_PLANS"] = LOCAL_PLANS
     with contextlib.ExitStack() as stack:
         if not env.get("REDIS_URL"):
             server = stack.enter_context(RedisServer())

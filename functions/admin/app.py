@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from usage_limits.entitlements import Grant, NotFound, StoreUnavailable, iso
+from usage_limits.entitlements.exceptions import NotRefreshed
 from usage_limits.entitlements.models import MAX_GRANT_TOKENS, MAX_REASON, Change, Suspension
 from usage_limits.entitlements.operator import Operator, Picture
 from usage_limits.entitlements.store import MAX_AUDIT, default_store
@@ -22,7 +23,7 @@ from usage_limits.exceptions import InvalidArgument
 from usage_limits.web import ApiError, ErrorBody, create_app, lambda_handler, settings
 from usage_limits.web.errors import error_response, retry_after_header
 from usage_limits.web.identity import operator_principal
-from usage_limits.web.runtime import get_budget
+from usage_limits.web.runtime import get_budget, get_entitlements
 
 app = create_app("Atto Cloud: operator API")
 
@@ -87,6 +88,11 @@ async def not_found(_: Request, exc: NotFound) -> JSONResponse:
     return error_response(404, "not_found", str(exc))
 
 
+@app.exception_handler(NotRefreshed)
+async def not_refreshed(_: Request, exc: NotRefreshed) -> JSONResponse:
+    return error_response(503, "not_refreshed", str(exc), headers=retry_after_header(1))
+
+
 @app.exception_handler(StoreUnavailable)
 async def store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
     return error_response(503, "store_unavailable",
@@ -98,7 +104,8 @@ async def operator() -> Operator:
     """The operator service over this environment's store, plans and ledger."""
     try:
         plans = settings().plans
-        return Operator(default_store(), plans, get_budget(plans.default_plan.windows))
+        return Operator(default_store(), plans, get_budget(plans.default_plan.windows),
+                        get_entitlements())
     except InvalidArgument as exc:  # a deployment setting, not the caller's input
         raise _Misconfigured("the server is misconfigured") from exc
 
@@ -164,7 +171,9 @@ def picture_out(p: Picture) -> dict[str, Any]:
         "credit": sum(g["remaining"] for g in grants if g["live"]),
         "suspension": suspension_out(p.entitlements.suspension, p.now_ms),
         "events": [{"request_id": e.request_id, "cost": e.cost, "route": e.route,
-                    "at": iso(e.at_ms)} for e in p.events],
+                    "at": iso(e.at_ms),
+                    "draws": [{"reference": r, "tokens": n} for r, n in e.draws]}
+                   for e in p.events],
     }
 
 

@@ -7,10 +7,9 @@ from typing import Annotated
 from fastapi import Depends
 from pydantic import BaseModel, Field
 
-from usage_limits.entitlements import Plan
+from usage_limits.entitlements import Plan, iso
 from usage_limits.web import create_app, current_user, lambda_handler
-from usage_limits.web.guard import current_plan
-from usage_limits.web.runtime import get_budget
+from usage_limits.web.guard import current_plan, read_usage
 
 app = create_app("Atto Cloud: usage")
 
@@ -38,17 +37,39 @@ class WindowOut(BaseModel):
                     "tokens back; null when the window holds no charge (nothing to wait for).")
 
 
+class DrawOut(BaseModel):
+    reference: str = Field(description="The grant the tokens came from.")
+    tokens: int
+
+
 class SpendEventOut(BaseModel):
     request_id: str
     cost: int
     route: str
     at: float = Field(description="Unix time of the charge.")
+    draws: list[DrawOut] = Field(
+        default_factory=list,
+        description="How much of the cost came from which credit grant (empty: all of it "
+                    "from the plan's included quota).")
+
+
+class GrantOut(BaseModel):
+    reference: str = Field(description="The grant's reference (an invoice id, a campaign).")
+    kind: str = Field(description="paid or promo.")
+    remaining: int = Field(description="Tokens left to draw.")
+    tokens: int = Field(description="Tokens granted.")
+    expires_at: str | None = Field(description="RFC 3339; null when it never expires.")
 
 
 class UsageOut(BaseModel):
     user_id: str
     plan: str = Field(description="The name of the caller's plan.")
     windows: list[WindowOut]
+    credit: int = Field(default=0, description="Tokens left in the live grants.")
+    grants: list[GrantOut] = Field(
+        default_factory=list,
+        description="Live credit grants, in the order they are drawn: what a request that "
+                    "does not fit the plan's longest window (its included quota) draws.")
     events: list[SpendEventOut] = Field(description="Most recent charges first.")
     prices: dict[str, int | str] = Field(
         description="Tokens per route (0 for a free one): a number, or the rule of a route "
@@ -59,17 +80,24 @@ class UsageOut(BaseModel):
 @app.get("/v1/usage")
 async def usage(plan: Annotated[Plan, Depends(current_plan)],
                 user: str = Depends(current_user)) -> UsageOut:
-    """What the caller has spent, what is left, and what each route costs."""
-    ledger = get_budget(plan.windows)
-    report = await ledger.usage(user)
+    """What the caller has spent, what is left, the credit grants, and what each route
+    costs."""
+    report, used = await read_usage(user, plan)
+    grants = [GrantOut(reference=g.reference, kind=g.kind, remaining=g.remaining,
+                       tokens=g.tokens, expires_at=iso(g.expires_at_ms))
+              for g in report.grants]
     return UsageOut(
         user_id=user,
-        plan=plan.name,
+        plan=used.name,
         windows=[WindowOut(limit=w.limit, used=w.used, remaining=w.remaining,
                            window_s=int(w.window_s), resets_at=w.resets_at)
                  for w in report.windows],
+        credit=sum(g.remaining for g in grants),
+        grants=grants,
         events=[SpendEventOut(request_id=e.request_id.partition(":")[2] or e.request_id,
-                              cost=e.cost, route=e.route, at=e.at_ms / 1000)
+                              cost=e.cost, route=e.route, at=e.at_ms / 1000,
+                              draws=[DrawOut(reference=r, tokens=n)
+                                     for r, n in e.draws])
                 for e in report.events],
         prices=PRICES,
     )

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     """make serve as a newcomer runs it (its own Redis, emulator and local DynamoDB), with
-    two plans."""
-    with serve({"ATTO_PLANS": "free=5/1h,50/30d;pro=40/1h,2000/30d",
+    three plans (``tiny``'s quota is 2 tokens a month)."""
+    with serve({"ATTO_PLANS": "free=5/1h,50/30d;pro=40/1h,2000/30d;tiny=40/1h,2/30d",
                 "ATTO_DEFAULT_PLAN": "free"}) as server:
         yield server
 
@@ -43,8 +43,10 @@ def cli(served: Served, *args: str, json_out: bool = True) -> tuple[int, Any, st
     return out.returncode, body, out.stderr
 
 
-def embed(served: Served, user: str, request_id: str | None = None) -> httpx.Response:
-    headers = {"X-Atto-User": user, **({"Idempotency-Key": request_id} if request_id else {})}
+def embed(served: Served, user: str, request_id: str | None = None,
+          plan: str | None = None) -> httpx.Response:
+    headers = {"X-Atto-User": user, **({"Idempotency-Key": request_id} if request_id else {}),
+               **({"X-Atto-Plan": plan} if plan else {})}
     return httpx.post(served.url + "/v1/embeddings", json={"input": ["x"]}, headers=headers,
                       timeout=30)
 
@@ -110,3 +112,24 @@ def test_the_plan_header_chooses_the_plan_locally(served: Served) -> None:
     report = httpx.get(served.url + "/v1/usage", timeout=10,
                        headers={"X-Atto-User": user, "X-Atto-Plan": "pro"}).json()
     assert report["plan"] == "pro" and report["windows"][0]["limit"] == 40
+
+
+def test_cli_changes_reach_the_users_next_request(served: Served) -> None:
+    """Against make serve, a grant made with the CLI covers the user's next request past the
+    quota (and shows in the picture with its draw), a CLI suspension refuses the next
+    request with 403, and unsuspending serves the one after."""
+    user = "draw-" + uuid.uuid4().hex[:8]
+    assert [embed(served, user, plan="tiny").status_code for _ in range(3)] == [200, 200, 429]
+    assert cli(served, "grant", "add", user, "--tokens", "3", "--kind", "promo",
+               "--reference", "camp-9", "--reason", "welcome")[0] == 0
+    assert embed(served, user, plan="tiny").status_code == 200
+    picture = cli(served, "show", user)[1]
+    assert picture["grants"][0]["consumed"] == 1 and picture["credit"] == 2
+    assert picture["events"][0]["draws"] == [{"reference": "camp-9", "tokens": 1}]
+    assert cli(served, "suspend", user, "--reason", "abuse")[0] == 0
+    refused = embed(served, user, plan="tiny")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == \
+        "account_suspended"
+    assert cli(served, "unsuspend", user, "--reason", "appeal")[0] == 0
+    assert embed(served, user, plan="tiny").status_code == 200
+    assert cli(served, "show", user)[1]["credit"] == 1

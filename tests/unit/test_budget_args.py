@@ -114,7 +114,8 @@ def test_reserve_arguments_follow_the_script_header() -> None:
                     b"3600000:100 2592000000:1000"]
 
 
-@pytest.mark.parametrize("name", ["budget_reserve", "budget_usage", "budget_refund"])
+@pytest.mark.parametrize("name", ["budget_reserve", "budget_usage", "budget_refund",
+                                  "budget_ent_load", "budget_ent_invalidate"])
 def test_scripts_name_every_key_and_argument_in_their_header(name: str) -> None:
     """Each script's header names every KEYS[i] and ARGV[i] it reads, copied into locals."""
     source = lua(name)

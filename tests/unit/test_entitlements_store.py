@@ -172,3 +172,91 @@ def test_store_uses_an_injected_client(store: EntitlementStore) -> None:
     other = EntitlementStore(store.settings, client=client)
     store.set_override("u8", "pro", actor="op", reason="r")
     assert other.client is client and other.load("u8").override is not None
+
+
+def _grant(store: EntitlementStore, user: str, reference: str, tokens: int) -> None:
+    store.create_grant(user, tokens=tokens, kind="paid", reference=reference,
+                       expires_at_ms=None, actor="op", reason="bought")
+
+
+def test_each_load_epoch_is_new_and_load_ignores_it(store: EntitlementStore) -> None:
+    """bump_epoch returns 1, 2, 3 for a user (others start at 1), and the epoch item is not
+    mistaken for an entitlement."""
+    assert store.epoch("e1") == 0
+    assert [store.bump_epoch("e1") for _ in range(3)] == [1, 2, 3]
+    assert store.bump_epoch("e2") == 1 and store.epoch("e1") == 3
+    _grant(store, "e1", "inv", 10)
+    record = store.load("e1")
+    assert [g.reference for g in record.grants] == ["inv"] and record.override is None
+
+
+def test_a_draw_commits_once_under_its_epoch(store: EntitlementStore) -> None:
+    """A draw under the current epoch raises each grant's consumed once; the same charge
+    committed again (a retry) changes nothing."""
+    _grant(store, "d1", "a", 10)
+    _grant(store, "d1", "b", 10)
+    epoch = store.bump_epoch("d1")
+    draws = [("a", 4), ("b", 2)]
+    assert store.commit_draw("d1", "r:1", "n1", draws, epoch)
+    assert store.commit_draw("d1", "r:1", "n1", draws, epoch)
+    assert {g.reference: g.consumed for g in store.load("d1").grants} == {"a": 4, "b": 2}
+    assert store.draw_recorded("d1", "r:1", "n1")
+    assert not store.draw_recorded("d1", "r:1", "other")
+    [record] = store.credit_records("d1")
+    assert (record["op"], record["draws"], record["epoch"]) == ("draw", "a=4 b=2", epoch)
+
+
+def test_a_draw_under_a_replaced_epoch_never_commits(store: EntitlementStore) -> None:
+    """Once a load (or an operator change) took a new epoch, a draw made under the old one
+    is refused and writes nothing: no record, no consumption."""
+    _grant(store, "d2", "a", 10)
+    old = store.bump_epoch("d2")
+    store.bump_epoch("d2")
+    assert not store.commit_draw("d2", "r:1", "n1", [("a", 5)], old)
+    assert store.load("d2").grants[0].consumed == 0
+    assert store.credit_records("d2") == []
+
+
+def test_credit_given_back_is_recorded_once_per_lowering(store: EntitlementStore) -> None:
+    """A settle to 3 then a refund to 0 each give their credit back once, however often
+    each is repeated; a return under a replaced epoch writes nothing."""
+    _grant(store, "d3", "a", 10)
+    epoch = store.bump_epoch("d3")
+    assert store.commit_draw("d3", "k:x", "n1", [("a", 8)], epoch)
+    for _ in range(2):
+        assert store.commit_return("d3", "k:x", "n1", 3, [("a", 5)], epoch)
+    assert store.load("d3").grants[0].consumed == 3
+    for _ in range(2):
+        assert store.commit_return("d3", "k:x", "n1", 0, [("a", 3)], epoch)
+    assert store.load("d3").grants[0].consumed == 0
+    newer = store.bump_epoch("d3")
+    assert store.commit_draw("d3", "k:y", "n2", [("a", 2)], newer)
+    assert not store.commit_return("d3", "k:y", "n2", 0, [("a", 2)], epoch)
+    assert store.load("d3").grants[0].consumed == 2
+    assert [r["op"] for r in store.credit_records("d3")].count("return") == 2
+
+
+@pytest.mark.parametrize("pairs, match", [
+    ([], "at least one"),
+    ([("a", 0)], "positive"),
+    ([("a b", 1)], "reference"),
+])
+def test_a_malformed_draw_writes_nothing(store: EntitlementStore, pairs: list[tuple[str, int]],
+                                         match: str) -> None:
+    """Empty draws, non-positive amounts and bad references are refused before any write."""
+    _grant(store, "d4", "a", 10)
+    epoch = store.bump_epoch("d4")
+    with pytest.raises(InvalidArgument, match=match):
+        store.commit_draw("d4", "r:1", "n1", pairs, epoch)
+    with pytest.raises(InvalidArgument, match="nonce"):
+        store.commit_draw("d4", "r:1", "n#1", [("a", 1)], epoch)
+    assert store.credit_records("d4") == [] and store.load("d4").grants[0].consumed == 0
+
+
+def test_a_draw_from_an_unknown_grant_is_store_unavailable(store: EntitlementStore) -> None:
+    """A draw naming a grant the table does not hold is cancelled whole (nothing written)."""
+    _grant(store, "d5", "a", 10)
+    epoch = store.bump_epoch("d5")
+    with pytest.raises(StoreUnavailable):
+        store.commit_draw("d5", "r:1", "n1", [("a", 1), ("ghost", 1)], epoch)
+    assert store.credit_records("d5") == [] and store.load("d5").grants[0].consumed == 0

@@ -368,10 +368,24 @@ def test_entitlements_table_is_durable_and_matches_the_store(template: dict[str,
         assert props[key] == TABLE_DEFINITION[key], key
 
 
-def test_only_the_admin_function_reaches_the_table_with_named_actions(
+#: The DynamoDB actions each holder may use on the entitlements table: the operator API
+#: reads and writes it; the request path only loads (Query, a new epoch by UpdateItem) and,
+#: where it charges, records draws (a transaction of a ConditionCheck and Updates).
+TABLE_ACTIONS = {
+    "AdminFunctionRole": {"dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem",
+                          "dynamodb:DeleteItem", "dynamodb:Query",
+                          "dynamodb:ConditionCheckItem"},
+    "EntitlementsLoadPolicy": {"dynamodb:Query", "dynamodb:UpdateItem"},
+    "EntitlementsDrawPolicy": {"dynamodb:Query", "dynamodb:UpdateItem",
+                               "dynamodb:ConditionCheckItem"},
+}
+
+
+def test_the_table_is_reached_with_named_actions_only_where_needed(
         resources: dict[str, Any]) -> None:
-    """DynamoDB permissions are granted to the admin role only, as named actions on the
-    entitlements table and its audit index (no wildcards, no Scan, no table management)."""
+    """DynamoDB permissions are named actions on the entitlements table only (no wildcards,
+    no Scan, no table management): the admin role's, and the request path's load and draw
+    policies, which never see the audit index and cannot put or delete items."""
     holders = set()
     for holder, statement in _statements(resources):
         actions = [str(a) for a in _as_list(statement.get("Action", []))]
@@ -379,14 +393,28 @@ def test_only_the_admin_function_reaches_the_table_with_named_actions(
         if not dynamo:
             continue
         holders.add(holder)
-        assert all("*" not in a for a in dynamo), dynamo
-        assert set(dynamo) <= {"dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem",
-                               "dynamodb:DeleteItem", "dynamodb:Query",
-                               "dynamodb:ConditionCheckItem"}
-        assert _as_list(statement["Resource"]) == [
-            {"Fn::GetAtt": ["EntitlementsTable", "Arn"]},
-            {"Fn::Sub": "${EntitlementsTable.Arn}/index/audit"}]
-    assert holders == {"AdminFunctionRole"}
+        assert set(dynamo) == TABLE_ACTIONS[holder], holder
+        table = [{"Fn::GetAtt": ["EntitlementsTable", "Arn"]}]
+        if holder == "AdminFunctionRole":
+            table.append({"Fn::Sub": "${EntitlementsTable.Arn}/index/audit"})
+        assert _as_list(statement["Resource"]) == table, holder
+    assert holders == set(TABLE_ACTIONS)
+
+
+def test_metered_functions_may_record_draws_and_usage_only_loads(
+        template: dict[str, Any]) -> None:
+    """Every metered function holds the draw policy, the usage function only the load
+    policy, and no other function either."""
+    attached = {name: [p.get("Ref") for p in r["Properties"].get("Policies", [])
+                       if isinstance(p, dict)]
+                for name, r in template["Resources"].items()
+                if r["Type"] == "AWS::Serverless::Function"}
+    draw = {name for name, refs in attached.items() if "EntitlementsDrawPolicy" in refs}
+    load = {name for name, refs in attached.items() if "EntitlementsLoadPolicy" in refs}
+    assert draw == {"StructuredFunction", "EmbeddingsFunction", "SalaryFunction",
+                    "JobExtractionFunction", "CompanyResearchFunction",
+                    "MarketContextFunction"}
+    assert load == {"UsageFunction"}
 
 
 def test_stage_throttling_and_access_logs(resources: dict[str, Any]) -> None:

@@ -17,6 +17,9 @@ _EXPORTS: dict[str, str] = {
     "Usage": "budget",
     "WindowUsage": "budget",
     "SpendEvent": "budget",
+    "LiveGrant": "budget",
+    "Lowered": "budget",
+    "CreditCrossing": "budget",
     # provider throttle
     "ProviderThrottle": "throttle",
     "throttled": "throttle",
@@ -50,6 +53,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     # ``X as X`` marks each name as re-exported for type checkers and linters, which
     # cannot read ``__all__`` when it is computed from ``_EXPORTS``.
+    from .budget import CreditCrossing as CreditCrossing
+    from .budget import LiveGrant as LiveGrant
+    from .budget import Lowered as Lowered
     from .budget import Reservation as Reservation
     from .budget import SpendEvent as SpendEvent
     from .budget import TokenBudget as TokenBudget

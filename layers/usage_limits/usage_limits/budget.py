@@ -32,6 +32,22 @@ Things worth knowing:
   most an hour more (their expiry is renewed only when it would fall short): an idle user
   costs nothing.
 
+Entitlements (``TokenBudget(..., entitlements=True)``) add two keys in the same hash tag:
+
+    ent   hash         epoch (the load's; its presence means loaded), want (an invalidated
+                       ent's least next epoch), plan (an operator's override), susp (the end
+                       of a suspension, ms; 0 = until lifted), g:<reference> per live grant
+                       "<remaining> <expires_ms or 0> <kind> <created_ms> <tokens>[ <flags>]"
+    dr    hash         request id -> "#<epoch> <ref>=<n> ..." (the draws of one charge)
+
+and meta keeps d:W, the tokens drawn from grants by the events window W counts. The plan's
+longest window is the included quota: a charge that fits every shorter window but not the
+quota draws the difference from live grants (earliest expiry first, promo before paid),
+refunds and settles give drawn credit back to its grant (never to an expired or voided one,
+nor across a reload), a suspended user is refused (``status="suspended"``) and a user whose
+ent is not loaded gets ``status="not_loaded"`` (load, then call again). Off, the scripts
+read none of it and cost what they always did.
+
 Typical use::
 
     budget = TokenBudget(redis, windows=[Window(limit=100, seconds=3600),
@@ -49,12 +65,13 @@ Typical use::
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._scripts import script
 from .exceptions import CostExceedsLimit, InvalidArgument
@@ -84,6 +101,21 @@ NONCE_BYTES = 8
 #: Default and largest number of spend events returned by ``usage``.
 DEFAULT_EVENTS = 50
 MAX_EVENTS = 1000
+#: Default credit "low" threshold, percent of a grant's tokens.
+DEFAULT_CREDIT_LOW_PERCENT = 20
+#: Re-arming margin of credit reports when the budget has no thresholds, percentage points.
+DEFAULT_CREDIT_MARGIN = 5
+#: A plan name of the catalog, and a grant reference (no spaces, no ``#``, ``;`` or ``=``
+#: where the scripts would read them as separators).
+_PLAN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_REFERENCE = re.compile(r"[A-Za-z0-9_.:@/+=-]{1,128}")
+#: Largest grant or remaining amount, tokens.
+MAX_GRANT_TOKENS = 10**12
+
+#: What a reservation did.
+Status = Literal["charged", "duplicate", "rejected", "suspended", "not_loaded"]
+GrantKind = Literal["paid", "promo"]
+CreditKind = Literal["low", "exhausted"]
 
 
 def _is_int(value: object) -> bool:
@@ -176,6 +208,88 @@ class Reservation:
     windows: tuple[WindowUsage, ...]
     nonce: str = ""
     crossings: tuple[Crossing, ...] = ()
+    status: Status = "charged"
+    plan_name: str = ""
+    drawn: int = 0
+    draws: tuple[tuple[str, int], ...] = ()
+    credit: int | None = None
+    epoch: int = 0
+    suspended_until_ms: int | None = None
+    credit_crossings: tuple[CreditCrossing, ...] = ()
+
+
+@dataclass(frozen=True)
+class CreditCrossing:
+    """A charge took a grant's remaining credit across "low" or to "exhausted" (once each).
+
+    Attributes:
+        reference: the grant's reference.
+        kind: ``low`` (remaining went from above the low share of its tokens to at or below
+            it) or ``exhausted`` (remaining reached 0).
+        remaining: tokens left in the grant after the charge.
+        tokens: the grant's amount.
+    """
+
+    reference: str
+    kind: CreditKind
+    remaining: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class LiveGrant:
+    """A grant as the hot path holds it (``load_entitlements`` writes them, ``usage`` reads).
+
+    Attributes:
+        reference: the grant's idempotency reference (``[A-Za-z0-9_.:@/+=-]{1,128}``).
+        remaining: tokens it can still give (0..tokens).
+        tokens: the amount granted.
+        expires_at_ms: when it stops covering requests, ms since the epoch (None: never).
+        kind: ``paid`` or ``promo`` (promo is drawn first at equal expiry).
+        created_ms: when it was created, ms (older first at equal expiry and kind).
+
+    Raises:
+        InvalidArgument: a malformed reference, kind or amount.
+    """
+
+    reference: str
+    remaining: int
+    tokens: int
+    expires_at_ms: int | None
+    kind: GrantKind
+    created_ms: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reference, str) or not _REFERENCE.fullmatch(self.reference):
+            raise InvalidArgument(f"grant reference {self.reference!r} is malformed")
+        if self.kind not in ("paid", "promo"):
+            raise InvalidArgument(f"grant kind must be paid or promo, not {self.kind!r}")
+        if not _is_int(self.tokens) or not 1 <= self.tokens <= MAX_GRANT_TOKENS:
+            raise InvalidArgument(f"grant tokens must be an integer >= 1, not {self.tokens!r}")
+        if not _is_int(self.remaining) or not 0 <= self.remaining <= self.tokens:
+            raise InvalidArgument(f"grant remaining must be in 0..tokens, not {self.remaining!r}")
+        for name, value in (("expires_at_ms", self.expires_at_ms),
+                            ("created_ms", self.created_ms)):
+            if value is not None and (not _is_int(value) or not 0 <= value < 2**52):
+                raise InvalidArgument(f"grant {name} must be ms since the epoch, not {value!r}")
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """What a refund or settle did (``TokenBudget.lower``).
+
+    Attributes:
+        changed: the charge was lowered or removed.
+        returned: credit given back to live grants, (reference, tokens) in the order given
+            back (reverse draw order); drawn credit of an expired or voided grant, or drawn
+            under an older load epoch, is not in it: it is gone.
+        epoch: the entitlements epoch the credit went back under (0 when none went back or
+            entitlements are off).
+    """
+
+    changed: bool
+    returned: tuple[tuple[str, int], ...] = ()
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,6 +320,8 @@ class SpendEvent:
         at_ms: when the charge was made, ms since the epoch on the ledger's clock.
         nonce: the nonce of the reservation that made the charge (what ``refund`` and
             ``settle`` name; an operator's support refund reads it here).
+        draws: how much of ``cost`` came from which grant, (reference, tokens) in draw
+            order (entitlements on; empty when nothing was drawn).
     """
 
     request_id: str
@@ -213,6 +329,7 @@ class SpendEvent:
     route: str
     at_ms: int
     nonce: str = ""
+    draws: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -220,14 +337,27 @@ class Usage:
     """A user's current spend.
 
     Attributes:
-        windows: every window asked about, shortest first.
+        windows: every window of the plan used, shortest first (with entitlements on, the
+            quota window, the longest, counts only what grants did not cover).
         events: the most recent charges still in the log, most recent first.
         now_ms: the ledger's clock for this call.
+        plan_name: the plan used: the operator's override when it names a plan of the
+            catalog, else the one asked about ('' when none was named).
+        loaded: the user's entitlements are loaded (always False when off).
+        epoch: their load epoch (0 when not loaded).
+        suspended_until_ms: end of a suspension in force, ms (0 = until lifted); None when
+            not suspended.
+        grants: the live grants, in draw order.
     """
 
     windows: tuple[WindowUsage, ...]
     events: tuple[SpendEvent, ...]
     now_ms: int
+    plan_name: str = ""
+    loaded: bool = False
+    epoch: int = 0
+    suspended_until_ms: int | None = None
+    grants: tuple[LiveGrant, ...] = ()
 
 
 class TokenBudget:
@@ -241,26 +371,58 @@ class TokenBudget:
             (renewals add up to min(longest window, 1 h) more).
         thresholds: usage thresholds whose crossing a reservation reports
             (``Reservation.crossings``); None reports none.
+        catalog: the deployment's plans by name; an operator's override that names one of
+            them replaces the caller's plan (entitlements on). None: no plan by name.
+        entitlements: read the user's entitlements on every call (overrides, grants,
+            suspensions); False costs exactly what the ledger always did.
+        credit_low_percent: a grant's "low" credit report fires when its remaining falls to
+            this share of its tokens or below (0..100).
 
     Raises:
-        InvalidArgument: an empty plan, two windows of the same length, or a bad margin.
+        InvalidArgument: an empty plan, two windows of the same length, a bad margin, a
+            malformed catalog or low percent.
     """
 
     def __init__(self, redis: AnyRedis, windows: Sequence[Window], *,
                  key_margin_s: float = DEFAULT_KEY_MARGIN_S,
-                 thresholds: Thresholds | None = None) -> None:
+                 thresholds: Thresholds | None = None,
+                 catalog: Mapping[str, Sequence[Window]] | None = None,
+                 entitlements: bool = False,
+                 credit_low_percent: int = DEFAULT_CREDIT_LOW_PERCENT) -> None:
         if (isinstance(key_margin_s, bool) or not isinstance(key_margin_s, int | float)
                 or not 0 <= key_margin_s <= MAX_WINDOW_S):
             raise InvalidArgument(f"key_margin_s must be >= 0, not {key_margin_s!r}")
+        if not _is_int(credit_low_percent) or not 0 <= credit_low_percent <= 100:
+            raise InvalidArgument(
+                f"credit_low_percent must be an integer 0..100, not {credit_low_percent!r}")
         self.redis = redis
         self.windows = _plan(windows)
         self.key_margin_ms = round(key_margin_s * 1000)
         self._default_args = _plan_args(self.windows)
         self._thresholds = () if thresholds is None or not thresholds.spec else (
             thresholds.spec,)
+        self.entitlements = bool(entitlements)
+        self.catalog: dict[str, tuple[Window, ...]] = {}
+        for name, plan in (catalog or {}).items():
+            if not isinstance(name, str) or not _PLAN_NAME.fullmatch(name):
+                raise InvalidArgument(f"plan name {name!r} must be 1..64 of A-Z a-z 0-9 _ . -")
+            self.catalog[name] = _plan(plan)
+        self._catalog_arg = ";".join(f"{name}={_plan_args(plan)[1][0].decode()}"
+                                     for name, plan in self.catalog.items()).encode()
+        margin = thresholds.margin if thresholds is not None else DEFAULT_CREDIT_MARGIN
+        self._credit_args = (credit_low_percent, margin)
+        self._ent_args = (credit_low_percent, margin, self._catalog_arg)
+        self._ent_arg: dict[str, bytes] = {}  # ARGV[9] of the reserve script, per plan name
+        self._threshold_arg = self._thresholds[0] if self._thresholds else ""
+        #: the smallest limit a cost must fit in some plan (the scripts check the plan used)
+        self._any_plan_smallest = max(
+            [_plan_args(p)[0] for p in self.catalog.values()] + [self._default_args[0]])
+        longest = max(w.ms for p in [self.windows, *self.catalog.values()] for w in p)
+        #: how long ent outlives a load or invalidation by default, ms (as the other keys)
+        self.ent_ttl_ms = longest + self.key_margin_ms + min(longest, 3_600_000)
 
     async def reserve(self, user_id: str, request_id: str, cost: int, *, route: str = "",
-                      windows: Sequence[Window] | None = None,
+                      windows: Sequence[Window] | None = None, plan_name: str = "",
                       now_ms: int | None = None, nonce: str | None = None) -> Reservation:
         """Charge ``cost`` tokens for ``request_id`` if it fits every window.
 
@@ -269,27 +431,48 @@ class TokenBudget:
             request_id: the charge's id; the same id is charged once per user.
             cost: tokens (integer >= 1).
             route: recorded with the charge for the audit trail.
-            windows: this user's plan; the budget's default plan when None.
+            windows: this user's plan; the catalog's plan named ``plan_name``, else the
+                budget's default plan, when None.
+            plan_name: the name of that plan (the JWT claim's or the default), reported
+                back; with entitlements on, an operator's override replaces it.
             now_ms: the caller's clock, ms since the epoch; ``time.time()`` when None.
             nonce: this call's nonce (``new_nonce()`` when None). A caller that may have to
                 refund a charge whose reply it never got draws it first and keeps it.
 
         Returns:
             A ``Reservation``; ``allowed`` is False when any window lacks room (nothing is
-            charged then). ``nonce`` is this call's.
+            charged then), and for ``status`` ``suspended`` or ``not_loaded``. ``nonce``
+            is this call's; ``draws`` what it took from grants (a re-send reports the
+            first run's draws and draws nothing).
 
         Raises:
             InvalidArgument: a malformed argument (checked before Redis is touched).
-            CostExceedsLimit: ``cost`` is larger than a window's limit and can never fit.
+            CostExceedsLimit: ``cost`` is larger than a window's limit and can never fit
+                (with entitlements on, of the plan the script used).
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
-        plan = self.windows if windows is None else _plan(windows)
+        plan = self._caller_plan(windows, plan_name)
         nonce = new_nonce() if nonce is None else _check_nonce(nonce)
-        keys, args = self._reserve_call(user_id, request_id, cost, route, plan, now_ms, nonce)
+        keys, args = self._reserve_call(user_id, request_id, cost, route, plan, now_ms, nonce,
+                                        plan_name)
         reply = await script("budget_reserve")(self.redis, keys, args)
-        return _decode_reservation(reply, cost, plan, nonce)
+        return _decode_reservation(reply, cost, plan, nonce, plan_name=plan_name,
+                                   catalog=self.catalog)
 
-    async def refund(self, user_id: str, request_id: str, *, nonce: str) -> bool:
+    def _caller_plan(self, windows: Sequence[Window] | None, plan_name: str) -> tuple[Window, ...]:
+        if plan_name not in self.catalog and plan_name != "" and (
+                not isinstance(plan_name, str) or not _PLAN_NAME.fullmatch(plan_name)):
+            raise InvalidArgument(f"plan_name {plan_name!r} must be 1..64 of A-Z a-z 0-9 _ . -")
+        if windows is not None:
+            return _plan(windows)
+        return self.catalog.get(plan_name, self.windows)
+
+    def _plan_used(self, name: str, caller: tuple[Window, ...]) -> tuple[Window, ...]:
+        """The windows of the plan a script reports it used (the caller's unless overridden)."""
+        return self.catalog.get(name, caller)
+
+    async def refund(self, user_id: str, request_id: str, *, nonce: str,
+                     now_ms: int | None = None) -> bool:
         """Give back the whole charge that the reservation with ``nonce`` made for ``request_id``.
 
         Each window that still counts the charge gets its tokens back; a window the charge
@@ -299,6 +482,8 @@ class TokenBudget:
         Args:
             nonce: the ``Reservation.nonce`` (or the nonce passed to ``reserve``) of the call
                 that made the charge.
+            now_ms: the caller's clock (entitlements on: a grant expired by then gets no
+                credit back); ``time.time()`` when None.
 
         Returns:
             True when a charge was removed; False when there was none of this caller
@@ -309,13 +494,10 @@ class TokenBudget:
             InvalidArgument: a malformed user or request id or nonce.
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
-        keys = _user_keys(user_id)
-        _check_request_id(request_id)
-        args = [request_id, 0, _check_nonce(nonce)]
-        return int(await script("budget_refund")(self.redis, keys, args)) == 1
+        return (await self.lower(user_id, request_id, 0, nonce=nonce, now_ms=now_ms)).changed
 
     async def settle(self, user_id: str, request_id: str, actual_cost: int, *,
-                     nonce: str) -> bool:
+                     nonce: str, now_ms: int | None = None) -> bool:
         """Lower the charge that the reservation with ``nonce`` made to ``actual_cost``.
 
         Never raises a charge, and never touches another call's charge of the same id.
@@ -323,6 +505,7 @@ class TokenBudget:
         Args:
             actual_cost: tokens really used (integer >= 0); 0 removes the charge.
             nonce: the nonce of the reservation that made the charge.
+            now_ms: the caller's clock; ``time.time()`` when None.
 
         Returns:
             True when the charge was lowered (or removed); False when there was no charge
@@ -333,19 +516,57 @@ class TokenBudget:
             InvalidArgument: a malformed argument.
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
-        keys = _user_keys(user_id)
+        lowered = await self.lower(user_id, request_id, actual_cost, nonce=nonce, now_ms=now_ms)
+        return lowered.changed
+
+    async def lower(self, user_id: str, request_id: str, new_cost: int, *, nonce: str,
+                    now_ms: int | None = None) -> Lowered:
+        """Lower the charge that the reservation with ``nonce`` made to ``new_cost``.
+
+        What ``refund`` (``new_cost`` 0) and ``settle`` do, with the credit given back: the
+        drawn part of the charge goes first, ``min(lowered by, drawn)``, back to the grants
+        it came from in reverse draw order, except to a grant expired at ``now_ms``, voided
+        since, or loaded anew since the draw (that credit is gone). A re-sent call returns
+        nothing a second time.
+
+        Args:
+            new_cost: tokens really used (integer >= 0); 0 removes the charge.
+            nonce: the nonce of the reservation that made the charge.
+            now_ms: the caller's clock, ms since the epoch; ``time.time()`` when None.
+
+        Returns:
+            A ``Lowered``: ``changed`` as ``settle`` returns it, the credit ``returned``
+            and the entitlements ``epoch`` it went back under.
+
+        Raises:
+            InvalidArgument: a malformed argument.
+            LimiterUnavailable: Redis could not be reached or did not answer in time.
+        """
         _check_request_id(request_id)
-        if not _is_int(actual_cost) or not 0 <= actual_cost <= MAX_TOKENS:
-            raise InvalidArgument(f"actual_cost must be an integer >= 0, not {actual_cost!r}")
-        args = [request_id, actual_cost, _check_nonce(nonce)]
-        return int(await script("budget_refund")(self.redis, keys, args)) == 1
+        if not _is_int(new_cost) or not 0 <= new_cost <= MAX_TOKENS:
+            raise InvalidArgument(f"actual_cost must be an integer >= 0, not {new_cost!r}")
+        args: list[Any] = [request_id, new_cost, _check_nonce(nonce)]
+        if not self.entitlements:
+            keys = _user_keys(user_id)
+            if now_ms is not None:
+                _now_ms(now_ms)
+            return Lowered(int(await script("budget_refund")(self.redis, keys, args)) == 1)
+        keys = _user_keys(user_id, entitlements=True)
+        args += [_now_ms(now_ms), *self._credit_args]
+        reply = await script("budget_refund")(self.redis, keys, args)
+        flat = reply[2]
+        returned = tuple((_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat) - 1, 2))
+        return Lowered(int(reply[0]) == 1, returned, int(reply[1]) if returned else 0)
 
     async def usage(self, user_id: str, *, windows: Sequence[Window] | None = None,
-                    now_ms: int | None = None, events: int = DEFAULT_EVENTS) -> Usage:
+                    plan_name: str = "", now_ms: int | None = None,
+                    events: int = DEFAULT_EVENTS) -> Usage:
         """The user's spend in every window and the most recent charges.
 
         Args:
-            windows: the user's plan; the budget's default plan when None.
+            windows: the user's plan; the catalog's plan named ``plan_name``, else the
+                budget's default plan, when None.
+            plan_name: that plan's name; with entitlements on an override replaces it.
             now_ms: the caller's clock, ms since the epoch; ``time.time()`` when None.
             events: how many recent charges to return (0..1000).
 
@@ -353,23 +574,101 @@ class TokenBudget:
             InvalidArgument: a malformed argument.
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
-        plan = self.windows if windows is None else _plan(windows)
-        keys = _user_keys(user_id)
+        plan = self._caller_plan(windows, plan_name)
+        keys = _user_keys(user_id, entitlements=self.entitlements)
         now = _now_ms(now_ms)
         if not _is_int(events) or not 0 <= events <= MAX_EVENTS:
             raise InvalidArgument(f"events must be an integer in 0..{MAX_EVENTS}, not {events!r}")
-        args = [now, events, self.key_margin_ms, *(w.ms for w in plan)]
+        args: list[Any] = [now, events, self.key_margin_ms]
+        if not self.entitlements:
+            args += [w.ms for w in plan]
+            reply = await script("budget_usage")(self.redis, keys, args)
+            return _decode_usage(reply, plan, plan_name=plan_name)
+        args += [plan_name, self._catalog_arg, *(w.ms for w in plan)]
         reply = await script("budget_usage")(self.redis, keys, args)
-        return _decode_usage(reply, plan)
+        return _decode_usage(reply, self._plan_used(_text(reply[1][0]), plan), entitled=True)
+
+    async def load_entitlements(self, user_id: str, *, epoch: int, plan: str | None,
+                                suspended_until_ms: int | None, grants: Sequence[LiveGrant],
+                                ttl_s: float | None = None) -> bool:
+        """Write the user's entitlements (ent) as loaded from the record of truth at ``epoch``.
+
+        Writes only when ent holds no epoch and ``epoch`` is at least the one an
+        invalidation asked for, or when ent holds a smaller epoch (the whole of ent is then
+        replaced; a grant whose remaining did not change keeps its credit-report flags).
+        ent already at ``epoch`` is left alone and counts as loaded: running it twice is
+        harmless.
+
+        Args:
+            epoch: the load epoch (integer >= 1), from the record of truth's counter.
+            plan: the operator's plan override (a plan name), None for none.
+            suspended_until_ms: end of a suspension, ms (0 = until lifted); None for none.
+            grants: the live (not voided) grants, remaining = tokens - consumed.
+            ttl_s: how long ent lives without calls, seconds; as the ledger's keys when None.
+
+        Returns:
+            True when ent now holds ``epoch``; False when it was refused as stale (ent
+            holds, or an invalidation wants, a newer epoch): load again.
+
+        Raises:
+            InvalidArgument: a malformed argument (nothing is written).
+            LimiterUnavailable: Redis could not be reached or did not answer in time.
+        """
+        if not _is_int(epoch) or not 1 <= epoch < 2**52:
+            raise InvalidArgument(f"epoch must be an integer >= 1, not {epoch!r}")
+        if plan is not None and (not isinstance(plan, str) or not _PLAN_NAME.fullmatch(plan)):
+            raise InvalidArgument(f"plan {plan!r} must be 1..64 of A-Z a-z 0-9 _ . -")
+        if suspended_until_ms is not None and (not _is_int(suspended_until_ms)
+                                               or not 0 <= suspended_until_ms < 2**52):
+            raise InvalidArgument("suspended_until_ms must be ms since the epoch (0 = until "
+                                  f"lifted), not {suspended_until_ms!r}")
+        if isinstance(grants, LiveGrant) or not all(isinstance(g, LiveGrant) for g in grants):
+            raise InvalidArgument("grants must be a sequence of LiveGrant")
+        if len({g.reference for g in grants}) != len(grants):
+            raise InvalidArgument("two grants have the same reference")
+        lines = "\n".join(f"{g.reference} {g.remaining} {g.expires_at_ms or 0} {g.kind} "
+                          f"{g.created_ms} {g.tokens}" for g in grants)
+        args = [epoch, self._ttl_ms(ttl_s), plan or "",
+                "" if suspended_until_ms is None else suspended_until_ms, lines]
+        reply = await script("budget_ent_load")(self.redis, _user_keys(user_id, "ent"), args)
+        return int(reply[0]) == 1
+
+    async def invalidate_entitlements(self, user_id: str, *, epoch: int,
+                                      ttl_s: float | None = None) -> None:
+        """Mark the user's entitlements stale after a change recorded at ``epoch``.
+
+        ent becomes ``{want: epoch}`` (reservations answer ``not_loaded`` until a load of at
+        least ``epoch``) unless it already holds that epoch or a newer one. Idempotent.
+
+        Args:
+            epoch: the record of truth's epoch after the change (integer >= 1).
+            ttl_s: how long the marker lives, seconds; as the ledger's keys when None.
+
+        Raises:
+            InvalidArgument: a malformed argument.
+            LimiterUnavailable: Redis could not be reached or did not answer in time.
+        """
+        if not _is_int(epoch) or not 1 <= epoch < 2**52:
+            raise InvalidArgument(f"epoch must be an integer >= 1, not {epoch!r}")
+        await script("budget_ent_invalidate")(self.redis, _user_keys(user_id, "ent"),
+                                              [epoch, self._ttl_ms(ttl_s)])
+
+    def _ttl_ms(self, ttl_s: float | None) -> int:
+        if ttl_s is None:
+            return self.ent_ttl_ms
+        if (isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float)
+                or not 0.001 <= ttl_s <= 2 * MAX_WINDOW_S):
+            raise InvalidArgument(f"ttl_s must be at least 0.001 s, not {ttl_s!r}")
+        return max(1, round(ttl_s * 1000))
 
     def _reserve_call(self, user_id: str, request_id: str, cost: int, route: str,
                       plan: tuple[Window, ...], now_ms: int | None,
-                      nonce: str) -> tuple[list[str], list[Any]]:
+                      nonce: str, plan_name: str = "") -> tuple[list[str], list[Any]]:
         """Validate a reservation and build the script's keys and arguments.
 
         Benchmarks and tests use this to pipeline many reservations through the real script.
         """
-        keys = _user_keys(user_id)
+        keys = _user_keys(user_id, entitlements=self.entitlements)
         _check_request_id(request_id)
         if not _is_int(cost) or not 1 <= cost <= MAX_TOKENS:
             raise InvalidArgument(f"cost must be an integer >= 1, not {cost!r}")
@@ -377,13 +676,25 @@ class TokenBudget:
             raise InvalidArgument("route must be a printable string of at most 256 characters")
         now = _now_ms(now_ms)
         smallest, tail = self._default_args if plan is self.windows else _plan_args(plan)
-        if cost > smallest:
+        # with entitlements on an override may change the plan: the script checks the plan
+        # it uses, and only a cost no plan could admit is refused here
+        if cost > (max(smallest, self._any_plan_smallest) if self.entitlements else smallest):
             w = next(w for w in plan if cost > w.limit)
             raise CostExceedsLimit(
                 f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
                 cost=cost, limit=w.limit)
+        if not self.entitlements:
+            return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail,
+                          *self._thresholds]
+        entitled = self._ent_arg.get(plan_name)
+        if entitled is None:
+            if len(self._ent_arg) >= 64:  # plan names come from the catalog or a claim
+                self._ent_arg.clear()
+            low, margin, catalog = self._ent_args
+            entitled = self._ent_arg[plan_name] = (
+                f"{plan_name} {low} {margin} ".encode() + catalog)
         return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail,
-                      *self._thresholds]
+                      self._threshold_arg, entitled]
 
 
 def new_nonce() -> str:
@@ -422,14 +733,20 @@ def _plan_args(plan: tuple[Window, ...]) -> tuple[int, tuple[bytes]]:
 
 
 @lru_cache(maxsize=1024)
-def _key_names(user_id: str) -> tuple[str, ...]:
-    return tuple(user_keys(user_id, "log", "ev", "meta"))
+def _key_names(user_id: str, parts: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(user_keys(user_id, *parts))
 
 
-def _user_keys(user_id: str) -> list[str]:
+_LEDGER_KEYS = ("log", "ev", "meta")
+_ENTITLED_KEYS = ("log", "ev", "meta", "ent", "dr")
+
+
+def _user_keys(user_id: str, *only: str, entitlements: bool = False) -> list[str]:
+    """The user's ledger keys (with ent and dr when ``entitlements``), or ``only`` those."""
     if not isinstance(user_id, str) or not user_id:
         raise InvalidArgument("user_id must be a non-empty string")
-    return list(_key_names(user_id))
+    parts = only or (_ENTITLED_KEYS if entitlements else _LEDGER_KEYS)
+    return list(_key_names(user_id, parts))
 
 
 def _check_request_id(request_id: str) -> None:
@@ -447,7 +764,10 @@ def _now_ms(now_ms: int | None) -> int:
 
 
 # budget_reserve.lua's status codes
-_REJECTED, _CHARGED, _DUPLICATE = 0, 1, 2
+_REJECTED, _CHARGED, _DUPLICATE, _SUSPENDED, _NOT_LOADED, _TOO_BIG = 0, 1, 2, 3, 4, 5
+_STATUS: dict[int, Status] = {_REJECTED: "rejected", _CHARGED: "charged",
+                              _DUPLICATE: "duplicate", _SUSPENDED: "suspended",
+                              _NOT_LOADED: "not_loaded"}
 
 
 def _text(value: bytes | str) -> str:
@@ -465,36 +785,92 @@ def _window(w: Window, used: int, resets_at_ms: int | None) -> WindowUsage:
                        window_s=float(w.seconds), resets_at_ms=resets_at_ms)
 
 
+def _draw_items(text: str) -> tuple[tuple[str, int], ...]:
+    """``"<ref>=<n> <ref>=<n>"`` as ((ref, n), ...); a reference may hold ``=`` itself."""
+    out = []
+    for item in text.split(" "):
+        ref, _, n = item.rpartition("=")
+        out.append((ref, int(n)))
+    return tuple(out)
+
+
+def _draws_record(record: Any) -> tuple[tuple[str, int], ...]:
+    """The draws of a dr record ``"#<epoch> <ref>=<n> ..."`` (none for a missing one)."""
+    if not record:
+        return ()
+    parts = _text(record).split(" ", 1)
+    return _draw_items(parts[1]) if len(parts) > 1 else ()
+
+
+def _credit_crossing(item: str) -> CreditCrossing:
+    """One ``"<kind> <remaining> <tokens> <ref>"`` of the reserve script's ent string."""
+    kind, left, tokens, ref = item.split(" ", 3)
+    return CreditCrossing(ref, kind, int(left), int(tokens))  # type: ignore[arg-type]
+
+
 def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
-                        nonce: str) -> Reservation:
-    """A ``Reservation`` from the reply of budget_reserve.lua (see its header)."""
+                        nonce: str, *, plan_name: str = "",
+                        catalog: Mapping[str, tuple[Window, ...]] | None = None) -> Reservation:
+    """A ``Reservation`` from the reply of budget_reserve.lua (see its header).
+
+    ``plan`` is the caller's; with entitlements on, the plan the script names is looked up
+    in ``catalog`` (an override).
+
+    Raises:
+        CostExceedsLimit: the script found the cost above a window of the plan it used.
+    """
     status = int(reply[0])
+    ent = _text(reply[3]) if len(reply) > 3 and isinstance(reply[3], bytes | str) else None
+    first = 4 if ent is not None else 3
+    if ent is not None:
+        head, draws, events = ent.split("|")
+        epoch, drawn, credit, susp, plan_name = head.split(" ", 4)
+        plan = (catalog or {}).get(plan_name, plan)
+        if status == _TOO_BIG:
+            w = plan[int(reply[2]) - 1]
+            raise CostExceedsLimit(
+                f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
+                cost=cost, limit=w.limit)
+    counted = status in (_REJECTED, _CHARGED, _DUPLICATE)
     states = []
     least, tightest = -1, plan[0]  # when allowed, the window with least room binds
-    for i, w in enumerate(plan):
-        limit, used = w.limit, int(reply[3 + 2 * i])
+    for i, w in enumerate(plan if counted else ()):
+        limit, used = w.limit, int(reply[first + 2 * i])
         left = limit - used if used < limit else 0
-        states.append(WindowUsage(limit, used, left, float(w.seconds), _resets(reply[4 + 2 * i])))
+        states.append(WindowUsage(limit, used, left, float(w.seconds),
+                                  _resets(reply[first + 1 + 2 * i])))
         if least < 0 or left < least:
             least, tightest = left, w
     bind = plan[int(reply[2]) - 1] if status == _REJECTED else tightest
-    extra = reply[3 + 2 * len(plan):]  # thresholds crossed: window position, percent
+    extra = reply[first + 2 * len(states):]  # thresholds crossed: window position, percent
     crossings = tuple(Crossing(states[int(extra[i]) - 1].window_s, int(extra[i + 1]),
                                states[int(extra[i]) - 1].used, states[int(extra[i]) - 1].limit)
                       for i in range(0, len(extra) - 1, 2))
-    return Reservation(status != _REJECTED, least, int(reply[1]) / 1000.0,
-                       status == _DUPLICATE, cost, bind.limit, float(bind.seconds),
-                       tuple(states), nonce, crossings)
+    allowed, retry_s = status in (_CHARGED, _DUPLICATE), int(reply[1]) / 1000.0
+    if ent is None:
+        return Reservation(allowed, max(least, 0), retry_s, status == _DUPLICATE, cost,
+                           bind.limit, float(bind.seconds), tuple(states), nonce, crossings,
+                           _STATUS[status], plan_name)
+    return Reservation(
+        allowed, max(least, 0), retry_s, status == _DUPLICATE, cost, bind.limit,
+        float(bind.seconds), tuple(states), nonce, crossings, _STATUS[status], plan_name,
+        int(drawn), _draw_items(draws) if draws else (),
+        None if credit[0] == "-" else int(credit), int(epoch),
+        None if susp[0] == "-" else int(susp),
+        tuple(_credit_crossing(item) for item in events.split(";")) if events else ())
 
 
-def _decode_usage(reply: list[Any], plan: tuple[Window, ...]) -> Usage:
+def _decode_usage(reply: list[Any], plan: tuple[Window, ...], *, plan_name: str = "",
+                  entitled: bool = False) -> Usage:
     """A ``Usage`` from the reply of budget_usage.lua (see its header)."""
     now = int(reply[0])
-    states = tuple(_window(w, int(reply[1 + 2 * i]), _resets(reply[2 + 2 * i]))
+    first = 2 if entitled else 1
+    states = tuple(_window(w, int(reply[first + 2 * i]), _resets(reply[first + 1 + 2 * i]))
                    for i, w in enumerate(plan))
     events = []
-    rest = reply[1 + 2 * len(plan):]
-    for i in range(0, len(rest), 3):
+    rest = reply[first + 2 * len(plan):]
+    step = 4 if entitled else 3
+    for i in range(0, len(rest), step):
         request_id, at_ms, record = rest[i: i + 3]
         cost, route, nonce = 0, "", ""
         if record is not None:
@@ -502,6 +878,17 @@ def _decode_usage(reply: list[Any], plan: tuple[Window, ...]) -> Usage:
             cost = int(parts[0])
             nonce = parts[1] if len(parts) > 1 else ""
             route = parts[2] if len(parts) > 2 else ""
+        draws = _draws_record(rest[i + 3]) if entitled else ()
         events.append(SpendEvent(request_id=_text(request_id), cost=cost, route=route,
-                                 at_ms=int(float(_text(at_ms))), nonce=nonce))
-    return Usage(windows=states, events=tuple(events), now_ms=now)
+                                 at_ms=int(float(_text(at_ms))), nonce=nonce, draws=draws))
+    if not entitled:
+        return Usage(windows=states, events=tuple(events), now_ms=now, plan_name=plan_name)
+    name, epoch, susp, flat = reply[1]
+    grants = tuple(
+        LiveGrant(reference=_text(flat[i]), remaining=int(flat[i + 1]),
+                  tokens=int(flat[i + 2]), expires_at_ms=int(flat[i + 3]) or None,
+                  kind=_text(flat[i + 4]))  # type: ignore[arg-type]
+        for i in range(0, len(flat) - 4, 5))
+    return Usage(windows=states, events=tuple(events), now_ms=now, plan_name=_text(name),
+                 loaded=int(epoch) > 0, epoch=int(epoch),
+                 suspended_until_ms=None if int(susp) < 0 else int(susp), grants=grants)

@@ -4,7 +4,9 @@
      ├── InvalidArgument                  bad input: nothing was written
      └── EntitlementError
           ├── NotFound                    no such grant (or charge) for this user
-          └── StoreUnavailable            DynamoDB unreachable, throttling or misconfigured
+          ├── StoreUnavailable            DynamoDB unreachable, throttling or misconfigured
+          └── NotRefreshed                a change is recorded, but the cache's copy of the
+                                          user was not invalidated (repeat the change)
 
 AWS client errors are re-raised as ``StoreUnavailable`` ``from`` the original, so callers
 never need botocore to handle them.
@@ -25,3 +27,9 @@ class NotFound(EntitlementError):
 
 class StoreUnavailable(EntitlementError):
     """The durable store could not be reached or refused the call. Fail closed."""
+
+
+class NotRefreshed(EntitlementError):
+    """An operator change is committed, but the user's cached copy could not be invalidated
+    (DynamoDB or Redis failed right after). Repeating the change (every change is
+    idempotent) invalidates it."""

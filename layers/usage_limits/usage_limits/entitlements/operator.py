@@ -2,8 +2,11 @@
 
 Durable state (overrides, grants, suspensions, support refunds, the audit log) is written
 to the ``EntitlementStore``; the ledger (Redis) is read for the windows and spend events,
-and changed only by a support refund. Store calls are blocking boto3 calls, run in a thread
-so the event loop keeps serving.
+and changed only by a support refund. Every change, once committed, takes a new load epoch
+and invalidates the user's cached copy (``EntitlementCache.refresh``), so the user's next
+request loads it; a change whose refresh failed answers 503 and is safe to repeat (every
+change is idempotent, and a repeat refreshes again). Store calls are blocking boto3 calls,
+run in a thread so the event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..exceptions import InvalidArgument
-from .exceptions import NotFound
+from ..exceptions import InvalidArgument, LimiterUnavailable
+from .exceptions import NotFound, NotRefreshed, StoreUnavailable
 from .models import AuditEntry, Grant, PlanOverride, SupportRefund, Suspension, UserEntitlements
 from .plans import Plan, Plans, PlanSource
 
 if TYPE_CHECKING:
     from ..budget import SpendEvent, TokenBudget, WindowUsage
+    from .cache import EntitlementCache
     from .store import EntitlementStore
 
 #: Spend events shown in a user's picture.
@@ -61,12 +65,31 @@ class Operator:
         store: the durable store.
         plans: the deployment's plans.
         budget: the ledger (for windows, spend events and support refunds).
+        cache: the entitlements cache the request path reads (None: the request path reads
+            no entitlements, and changes need no refresh).
     """
 
-    def __init__(self, store: EntitlementStore, plans: Plans, budget: TokenBudget) -> None:
+    def __init__(self, store: EntitlementStore, plans: Plans, budget: TokenBudget,
+                 cache: EntitlementCache | None = None) -> None:
         self.store = store
         self.plans = plans
         self.budget = budget
+        self.cache = cache
+
+    async def _refresh(self, user_id: str) -> None:
+        """Make the user's next request load what the store now holds.
+
+        Raises:
+            NotRefreshed: DynamoDB or Redis failed (the change itself is committed).
+        """
+        if self.cache is None:
+            return
+        try:
+            await self.cache.refresh(self.budget, user_id)
+        except (StoreUnavailable, LimiterUnavailable) as exc:
+            raise NotRefreshed("the change is recorded, but the user's cached entitlements "
+                               "could not be refreshed; repeat the call (it is idempotent)"
+                               ) from exc
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -101,6 +124,7 @@ class Operator:
                                   f"{', '.join(self.plans.by_name)}")
         result: PlanOverride = await self._run(self.store.set_override, user_id, plan,
                                                actor=actor, reason=reason)
+        await self._refresh(user_id)
         return result
 
     async def clear_plan(self, user_id: str, *, actor: str,
@@ -108,6 +132,7 @@ class Operator:
         """Remove the user's override; the one removed, or None when there was none."""
         result: PlanOverride | None = await self._run(self.store.clear_override, user_id,
                                                       actor=actor, reason=reason)
+        await self._refresh(user_id)
         return result
 
     async def create_grant(self, user_id: str, *, tokens: int, kind: str, reference: str,
@@ -117,6 +142,7 @@ class Operator:
         result: tuple[Grant, bool] = await self._run(
             self.store.create_grant, user_id, tokens=tokens, kind=kind, reference=reference,
             expires_at_ms=expires_at_ms, actor=actor, reason=reason)
+        await self._refresh(user_id)
         return result
 
     async def void_grant(self, user_id: str, reference: str, *, actor: str,
@@ -128,6 +154,7 @@ class Operator:
         """
         result: tuple[Grant, bool] = await self._run(self.store.void_grant, user_id,
                                                      reference, actor=actor, reason=reason)
+        await self._refresh(user_id)
         return result
 
     async def suspend(self, user_id: str, *, reason: str, until_ms: int | None,
@@ -135,6 +162,7 @@ class Operator:
         """Suspend the user until ``until_ms`` (None: until lifted)."""
         result: Suspension = await self._run(self.store.suspend, user_id, reason=reason,
                                              until_ms=until_ms, actor=actor)
+        await self._refresh(user_id)
         return result
 
     async def lift_suspension(self, user_id: str, *, actor: str,
@@ -142,6 +170,7 @@ class Operator:
         """Lift the suspension; the one lifted, or None when there was none."""
         result: Suspension | None = await self._run(self.store.lift_suspension, user_id,
                                                     actor=actor, reason=reason)
+        await self._refresh(user_id)
         return result
 
     async def audit(self, user_id: str | None, *, limit: int) -> list[AuditEntry]:
@@ -175,7 +204,7 @@ class Operator:
         # once, and never a later charge of the same id (a retry's, after the claim). No
         # nonce means the charge left the log after an earlier claim: that attempt refunded.
         nonce = claim.nonce or nonce
-        refunded = bool(nonce) and await self.budget.refund(user_id, rid, nonce=nonce)
+        refunded = bool(nonce) and await self._refund(user_id, rid, nonce)
         if not refunded and created:
             # The request path refunded it first (its request failed): nothing to do.
             await self._run(self.store.drop_support_refund, claim, user_id)
@@ -183,7 +212,20 @@ class Operator:
         # Refunded now, or by the earlier attempt that left this claim unfinished.
         done: SupportRefund = await self._run(self.store.finish_support_refund, claim,
                                               user_id, claim.claimed)
+        await self._refresh(user_id)
         return done, True
+
+    async def _refund(self, user_id: str, rid: str, nonce: str) -> bool:
+        """Remove the charge in the ledger, and record the credit it gives back to its
+        grants (only for draws that were recorded: see ``EntitlementCache.give_back``)."""
+        if self.cache is None:
+            return await self.budget.refund(user_id, rid, nonce=nonce)
+        lowered = await self.budget.lower(user_id, rid, 0, nonce=nonce)
+        recorded = bool(lowered.returned) and await self._run(self.store.draw_recorded,
+                                                               user_id, rid, nonce)
+        await self.cache.give_back(self.budget, user_id, rid, nonce, 0, lowered,
+                                   recorded=recorded)
+        return lowered.changed
 
     async def _find_charge(self, user_id: str, request_id: str) -> tuple[str, int, str]:
         """The ledger id, cost and nonce of ``request_id``: as given, or with the prefix the

@@ -6,12 +6,23 @@ One table, on-demand, point-in-time recovery on (template.yaml ``EntitlementsTab
     U#<user>    E#PLAN                     the plan override
     U#<user>    E#SUSP                     the suspension
     U#<user>    E#G#<reference>            a grant (tokens, consumed, kind, expiry, voided)
+    U#<user>    E#LOAD                     the load epoch: raised by every load of the cache
+                                           and every operator change
+    U#<user>    D#<nonce>#d#<request id>   one charge's draws from grants (made durable
+                                           before its provider is called)
+    U#<user>    D#<nonce>#r<n>#<request id>  credit that lowering the charge to n tokens gave
+                                           back (the nonce is the charge's; it has no #)
     U#<user>    R#<request id>             a support refund of one charge (at most once)
     U#<user>    A#<ms, 13 digits>#<id>     an operator action (audit), newest last
     GSI ``audit`` (sparse: only audit items carry its keys)
     AUDIT       <ms, 13 digits>#<id>       every operator action, across users
 
 Everything the hot path needs about a user sits under ``E#``, so loading it is one Query.
+
+Draws are made in the cache (the reservation script) and then recorded here in one
+transaction that also checks the load epoch: a draw made under an epoch that a later load
+has replaced can never commit (its credit would be counted twice: once by the load, which
+did not see it, and once by the commit). The same holds for credit given back.
 Every change is written in one transaction with its audit item: an action is recorded
 exactly when it happened. A grant's creation is a conditional put on its reference, so the
 same reference never makes a second grant, however often it is retried.
@@ -25,7 +36,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .. import snapstart
@@ -79,7 +90,12 @@ TABLE_DEFINITION: dict[str, Any] = {
 _PLAN_SK = "E#PLAN"
 _SUSP_SK = "E#SUSP"
 _GRANT = "E#G#"
+_LOAD_SK = "E#LOAD"
+_DRAW = "D#"
 _REFUND = "R#"
+#: Attempts of a draw or return transaction that DynamoDB cancels for a conflict with
+#: another transaction on the same grant.
+_CONFLICT_ATTEMPTS = 4
 _AUDIT = "A#"
 _MAX_USER_ID = 256
 
@@ -416,6 +432,147 @@ class EntitlementStore:
                         "ConditionExpression": "attribute_exists(pk)"}},
             self._audit_put(user_id, "suspension.lift", change, {})])
         return _suspension(current) if done else None
+
+    # --- the cache's load epoch, draws and credit given back ------------------------------
+
+    def bump_epoch(self, user_id: str) -> int:
+        """Raise the user's load epoch by one (``ADD``) and return the new value.
+
+        A load of the cache, and every operator change, takes a new epoch: a draw made
+        under an older one can no longer commit (``commit_draw``).
+        """
+        reply = self._call(self.client.update_item, TableName=self.table,
+                           Key=self._ser({"pk": _pk(user_id), "sk": _LOAD_SK}),
+                           UpdateExpression="ADD #e :one",
+                           ExpressionAttributeNames={"#e": "epoch"},
+                           ExpressionAttributeValues=self._ser({":one": 1}),
+                           ReturnValues="UPDATED_NEW")
+        return int(self._de(reply["Attributes"])["epoch"])
+
+    def epoch(self, user_id: str) -> int:
+        """The user's current load epoch (0 when never loaded)."""
+        item = self._get(user_id, _LOAD_SK)
+        return int(item["epoch"]) if item else 0
+
+    def commit_draw(self, user_id: str, request_id: str, nonce: str,
+                    draws: Sequence[tuple[str, int]], epoch: int) -> bool:
+        """Record one charge's draws from grants, once, if the load epoch is still ``epoch``.
+
+        One transaction: the epoch check, a ``D#<nonce>#d#<request id>`` record (conditional
+        on not existing) and ``ADD consumed`` on each grant drawn. Called again with the
+        same charge (a retry), it finds the record and changes nothing.
+
+        Args:
+            draws: (grant reference, tokens) pairs, as the reservation reported them.
+            epoch: the cache's load epoch the reservation saw.
+
+        Returns:
+            True when the draws are recorded (now or by an earlier call); False when the
+            epoch moved on (a load or an operator change since): nothing was written.
+
+        Raises:
+            InvalidArgument: no draws, or a malformed one.
+            StoreUnavailable: DynamoDB failed; nothing is known to be written.
+        """
+        return self._commit_credit(user_id, request_id, nonce, draws, epoch, sign=1,
+                                   suffix="d", op="draw")
+
+    def commit_return(self, user_id: str, request_id: str, nonce: str, new_cost: int,
+                      returned: Sequence[tuple[str, int]], epoch: int) -> bool:
+        """Record credit that lowering a charge to ``new_cost`` gave back to its grants.
+
+        The same transaction as ``commit_draw``, with ``ADD consumed -n``; the record
+        ``D#<nonce>#r<new_cost>#<request id>`` makes it happen once per lowering.
+
+        Returns:
+            True when recorded (now or earlier); False when the epoch moved on.
+
+        Raises:
+            InvalidArgument: nothing returned, or a malformed pair.
+            StoreUnavailable: DynamoDB failed.
+        """
+        if isinstance(new_cost, bool) or not isinstance(new_cost, int) or new_cost < 0:
+            raise InvalidArgument("new_cost must be an integer >= 0")
+        return self._commit_credit(user_id, request_id, nonce, returned, epoch, sign=-1,
+                                   suffix=f"r{new_cost}", op="return")
+
+    def _commit_credit(self, user_id: str, request_id: str, nonce: str,
+                       pairs: Sequence[tuple[str, int]], epoch: int, *, sign: int,
+                       suffix: str, op: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        pk = _pk(user_id)
+        _check_request_id(request_id)
+        if not isinstance(nonce, str) or not nonce or not nonce.isprintable() \
+                or any(c in nonce for c in " #"):
+            raise InvalidArgument("nonce must be a non-empty string without spaces or #")
+        if not pairs:
+            raise InvalidArgument(f"a {op} needs at least one grant")
+        totals: dict[str, int] = {}
+        for reference, tokens in pairs:
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+                raise InvalidArgument(f"tokens of a {op} must be positive integers")
+            totals[check_reference(reference)] = totals.get(reference, 0) + tokens
+        record = {"request_id": request_id, "nonce": nonce, "op": op, "epoch": epoch,
+                  "draws": " ".join(f"{r}={n}" for r, n in pairs), "at": _now_ms()}
+        items: list[dict[str, Any]] = [
+            {"ConditionCheck": {"TableName": self.table,
+                                "Key": self._ser({"pk": pk, "sk": _LOAD_SK}),
+                                "ConditionExpression": "#e = :e",
+                                "ExpressionAttributeNames": {"#e": "epoch"},
+                                "ExpressionAttributeValues": self._ser({":e": epoch})}},
+            # an Update that creates the record, once (the request path needs no PutItem)
+            {"Update": {"TableName": self.table,
+                        "Key": self._ser({"pk": pk,
+                                          "sk": f"{_DRAW}{nonce}#{suffix}#{request_id}"}),
+                        "ConditionExpression": "attribute_not_exists(pk)",
+                        "UpdateExpression": "SET " + ", ".join(f"#{k} = :{k}" for k in record),
+                        "ExpressionAttributeNames": {f"#{k}": k for k in record},
+                        "ExpressionAttributeValues": self._ser(
+                            {f":{k}": v for k, v in record.items()})}},
+            *({"Update": {"TableName": self.table,
+                          "Key": self._ser({"pk": pk, "sk": _GRANT + reference}),
+                          "ConditionExpression": "attribute_exists(pk)",
+                          "UpdateExpression": "ADD #c :n",  # CONSUMED is a reserved word
+                          "ExpressionAttributeNames": {"#c": "consumed"},
+                          "ExpressionAttributeValues": self._ser({":n": sign * tokens})}}
+              for reference, tokens in totals.items())]
+        for attempt in range(_CONFLICT_ATTEMPTS):
+            try:
+                self._call(self.client.transact_write_items, TransactItems=items)
+                return True
+            except ClientError as exc:
+                codes = [r.get("Code") for r in exc.response.get("CancellationReasons") or []]
+                if codes[:1] == ["ConditionalCheckFailed"]:
+                    return False  # a load or an operator change since the reservation
+                if len(codes) > 1 and codes[1] == "ConditionalCheckFailed":
+                    return True  # this very charge's record is there: done before
+                if "TransactionConflict" in codes and attempt + 1 < _CONFLICT_ATTEMPTS:
+                    time.sleep(0.01 * 2 ** attempt)
+                    continue
+                raise StoreUnavailable(f"the entitlements store cancelled a {op}: "
+                                       f"{codes or exc.response.get('Error', {}).get('Code')}"
+                                       ) from exc
+        raise StoreUnavailable(f"the {op} kept conflicting with other writes")  # unreachable
+
+    def draw_recorded(self, user_id: str, request_id: str, nonce: str) -> bool:
+        """Whether the draws of the charge made by ``nonce`` are recorded (``commit_draw``)."""
+        _check_request_id(request_id)
+        return self._get(user_id, f"{_DRAW}{nonce}#d#{request_id}") is not None
+
+    def credit_records(self, user_id: str) -> list[dict[str, Any]]:
+        """Every draw and return record of the user, oldest key first (tests, support)."""
+        items: list[dict[str, Any]] = []
+        kwargs: dict[str, Any] = {
+            "TableName": self.table, "ConsistentRead": True,
+            "KeyConditionExpression": "pk = :pk AND begins_with(sk, :d)",
+            "ExpressionAttributeValues": self._ser({":pk": _pk(user_id), ":d": _DRAW})}
+        while True:
+            reply = self._call(self.client.query, **kwargs)
+            items.extend(self._de(item) for item in reply.get("Items", []))
+            if "LastEvaluatedKey" not in reply:
+                return items
+            kwargs["ExclusiveStartKey"] = reply["LastEvaluatedKey"]
 
     # --- support refunds --------------------------------------------------------------------
 

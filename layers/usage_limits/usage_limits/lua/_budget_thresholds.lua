@@ -26,7 +26,8 @@ end
 
 -- `out` (a reply) with the thresholds this charge of `cost` crossed appended, as pairs
 -- (position of the window in call_windows, 1-based; threshold in percent); m holds each
--- window's total after the charge. Stores the new levels.
+-- window's total after the charge (the quota window, m.quota, counts t - d and the charge's
+-- part not drawn from grants, m.drawn_now). Stores the new levels.
 local function append_crossings(out, spec, m, cost)
   local thresholds, margin = parse_thresholds(spec)
   if not thresholds then return out end
@@ -35,8 +36,11 @@ local function append_crossings(out, spec, m, cost)
   local levels = redis.call('HMGET', meta_key, unpack(fields))
   local changed = {}
   for i, w in ipairs(call_windows) do
-    local limit, after = limits[i], m.windows[w].total
-    local before = after - cost
+    local limit, after, charged = limits[i], m.windows[w].total, cost
+    if w == m.quota then  -- the quota counts only what grants did not cover
+      after, charged = after - m.windows[w].drawn, cost - (m.drawn_now or 0)
+    end
+    local before = after - charged
     local level = tonumber(levels[i]) or 0
     -- forget the thresholds usage fell below by more than the margin since the last charge
     local kept = 0

@@ -1,6 +1,11 @@
 --[[ _budget_windows.lua: the window bookkeeping shared by budget_reserve.lua and
 budget_usage.lua. Not a script of its own: LuaScript pastes it where a script says
 `--#include _budget_windows.lua`, so both scripts run the very same code.
+
+With entitlements on, the including script sets dr_key (the user's draws hash: request id ->
+"#<epoch> <ref>=<n> ..."), and every window also keeps d:<W>, the tokens drawn from grants by
+the events it counts: subtracted as events leave, counted from dr for a new window. dr_key
+nil (entitlements off) reads and writes nothing of it.
 ]]
 local BATCH = 500 -- ids per ZRANGE/HMGET/HDEL call (stays far below Lua's unpack limit)
 local PEEK = '3'  -- events read past a cursor that moves: those leaving, then the first staying
@@ -13,6 +18,14 @@ local function int(x) return string.format('%d', x) end
 local function record_cost(rec)
   if not rec then return 0 end
   return tonumber(string.match(rec, '^%d+')) or 0
+end
+
+-- Tokens drawn from grants by one dr record ("#<epoch> <ref>=<n> ..."); none counts 0.
+local function record_drawn(rec)
+  if not rec then return 0 end
+  local total = 0
+  for n in string.gmatch(rec, ' %S+=(%d+)') do total = total + tonumber(n) end
+  return total
 end
 
 -- Number of events scored <= ms, which is also the rank of the first event after ms.
@@ -44,6 +57,18 @@ local function sum_costs(ids)
   return total
 end
 
+-- Tokens drawn by the given events (0 when entitlements are off).
+local function sum_drawn(ids)
+  if not dr_key or #ids == 0 then return 0 end
+  local total = 0
+  for start = 1, #ids, BATCH do
+    local stop = math.min(start + BATCH - 1, #ids)
+    local recs = redis.call('HMGET', dr_key, unpack(ids, start, stop))
+    for i = 1, #recs do total = total + record_drawn(recs[i]) end
+  end
+  return total
+end
+
 -- meta as {clk = ms, windows = {[W] = {total = tokens, lo = ms, first = ms or NONE or nil,
 -- was = the same as stored}}}; half-known windows dropped. first (f:<W>) is the score of the oldest event the window
 -- counts: no event lies between the cursor and it, so a cursor that stays below it passes
@@ -52,7 +77,7 @@ end
 local function load_meta()
   local flat = redis.call('HGETALL', meta_key)
   local m = {clk = 0, windows = {}}
-  local totals, cursors, firsts = {}, {}, {}
+  local totals, cursors, firsts, drawn = {}, {}, {}, {}
   for i = 1, #flat, 2 do
     local field, value = flat[i], flat[i + 1]
     if field == 'clk' then m.clk = tonumber(value)
@@ -60,15 +85,18 @@ local function load_meta()
       local kind, w = string.match(field, '^(%a+):(%d+)$')
       if kind == 't' then totals[w] = tonumber(value)
       elseif kind == 'lo' then cursors[w] = tonumber(value)
-      elseif kind == 'f' then firsts[w] = value == '-1' and NONE or tonumber(value) end
+      elseif kind == 'f' then firsts[w] = value == '-1' and NONE or tonumber(value)
+      elseif kind == 'd' then drawn[w] = tonumber(value) end
     end
   end
   for w, total in pairs(totals) do
     if cursors[w] then
       local first = firsts[w]
       if first == NONE and total ~= 0 then first = nil end
-      local stored = {total = total, lo = cursors[w], first = firsts[w]}
-      m.windows[tonumber(w)] = {total = total, lo = cursors[w], first = first, was = stored}
+      local d = drawn[w] or 0
+      local stored = {total = total, lo = cursors[w], first = firsts[w], drawn = d}
+      m.windows[tonumber(w)] = {total = total, lo = cursors[w], first = first, drawn = d,
+                                was = stored}
     end
   end
   return m
@@ -111,10 +139,12 @@ local function advance(m, now, wanted)
         -- log. The log holds only events of the shorter windows, so count all of it with
         -- the cursor below every event: the loop below then subtracts and deletes those
         -- already older than this window (they are out of every window).
-        m.windows[w] = {total = sum_costs(ids_between(-1, now)), lo = -1}
+        local ids = ids_between(-1, now)
+        m.windows[w] = {total = sum_costs(ids), lo = -1, drawn = sum_drawn(ids)}
       else
         local b = now - w
-        m.windows[w] = {total = sum_costs(ids_between(b, now)), lo = b}
+        local ids = ids_between(b, now)
+        m.windows[w] = {total = sum_costs(ids), lo = b, drawn = sum_drawn(ids)}
       end
     end
   end
@@ -131,10 +161,15 @@ local function advance(m, now, wanted)
         -- events in (lo, b] have left the window since the last call: subtract each once
         local gone = leaving(s, b)
         s.total = s.total - sum_costs(gone)
+        local drew = s.drawn > 0  -- else no event this window counts drew: none has a dr record
+        if drew then s.drawn = math.max(0, s.drawn - sum_drawn(gone)) end
         if w == longest and #gone > 0 then
           -- they have left every window (each cursor is past them): delete them
           for start = 1, #gone, BATCH do
             redis.call('HDEL', ev_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
+            if drew then
+              redis.call('HDEL', dr_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
+            end
           end
           redis.call('ZREMRANGEBYSCORE', log_key, '-inf', int(b))
         end
@@ -177,12 +212,20 @@ local function save_meta(m, now, longest)
       fields[#fields + 1] = 'f:' .. tag
       fields[#fields + 1] = s.first == NONE and '-1' or int(s.first)
     end
+    if s.drawn ~= (was.drawn or 0) then
+      fields[#fields + 1] = 'd:' .. tag
+      fields[#fields + 1] = int(s.drawn)
+    end
   end
   redis.call('HSET', meta_key, unpack(fields))
   if due then
     redis.call('PEXPIRE', log_key, int(ttl))
     redis.call('PEXPIRE', ev_key, int(ttl))
     redis.call('PEXPIRE', meta_key, int(ttl))
+    if dr_key then
+      redis.call('PEXPIRE', ent_key, int(ttl), 'GT')  -- never shortens a load's expiry
+      redis.call('PEXPIRE', dr_key, int(ttl))
+    end
   end
 end
 

@@ -19,38 +19,111 @@ ARGV[1]  request_id  the charge's id
 ARGV[2]  new_cost    tokens the request really used (integer >= 0; 0 = refund it all)
 ARGV[3]  nonce       the nonce of the reservation that made the charge (no spaces)
 
+With entitlements on (KEYS[4] and KEYS[5] given; see _budget_grants.lua):
+KEYS[4]  ent         hash: epoch, g:<reference> (the user's live grants), ...
+KEYS[5]  dr          hash: request id -> "#<epoch> <ref>=<n> ..." (draws of each charge)
+ARGV[4]  now_ms      caller's clock, ms since the epoch (clamped to meta's clk): a grant
+                     expired at it (now >= expiry) gets nothing back
+ARGV[5]  low         credit "low" threshold, percent of a grant's tokens
+ARGV[6]  low_margin  percentage points above `low` that re-arm a grant's credit reports
+Lowering a charge by delta lowers its drawn part first: back = min(delta, drawn), taken
+from its draws in reverse draw order. Each part goes back to its grant when that grant is
+still in ent, not expired, and the draw was made under ent's current epoch (after a reload
+DynamoDB's consumption is the truth); otherwise that credit is gone. Windows still counting
+the event: t -= delta, d -= back. The dr record keeps the draws not given back.
+
 Returns 1 when the charge was lowered or removed, 0 when there was none to lower (unknown,
 expired or already refunded id, another call's charge, or new_cost >= the recorded cost).
 Run twice, the second run finds the charge gone or already at new_cost and returns 0.
+Entitlements on: {changed (1/0), ent epoch (0 = not loaded), {returned: ref, n, ...}}; a
+second run returns nothing.
 Keys keep the expiry set by the last reservation: this script only removes or lowers data.
 ]]
 local log_key = KEYS[1]
 local ev_key = KEYS[2]
 local meta_key = KEYS[3]
+local ent_key = KEYS[4]
+local dr_key = KEYS[5]
 
 local request_id = ARGV[1]
 local new_cost = tonumber(ARGV[2])
 local nonce = ARGV[3]
+local now_arg = tonumber(ARGV[4] or '0')
+local low = tonumber(ARGV[5] or '0')
+local low_margin = tonumber(ARGV[6] or '0')
+
+--#include _budget_grants.lua  (entitlements and draws)
+
+local function done(changed, epoch, returned)
+  if not dr_key then return changed end
+  return {changed, epoch or 0, returned or {}}
+end
 
 local score = redis.call('ZSCORE', log_key, request_id)
-if not score then return 0 end
+if not score then return done(0) end
 score = tonumber(score)
 
 local rec = redis.call('HGET', ev_key, request_id)
 -- another call's charge of the same id (or no record at all): not this caller's to lower
-if not rec or string.match(rec, '^%d+ (%S+)') ~= nonce then return 0 end
+if not rec or string.match(rec, '^%d+ (%S+)') ~= nonce then return done(0) end
 local old_cost = tonumber(string.match(rec, '^%d+')) or 0
 local rest = string.match(rec, '^%d+(.*)$') or ''
-if new_cost >= old_cost and new_cost > 0 then return 0 end
+if new_cost >= old_cost and new_cost > 0 then return done(0) end
 
 local delta = old_cost - new_cost
 local flat = redis.call('HGETALL', meta_key)
+
+-- the drawn part first: back = min(delta, drawn), in reverse draw order
+local back, returned, epoch = 0, {}, 0
+if dr_key then
+  local draw_epoch, list = parse_draws(redis.call('HGET', dr_key, request_id))
+  if #list > 0 then
+    local clk = 0
+    for i = 1, #flat, 2 do
+      if flat[i] == 'clk' then clk = tonumber(flat[i + 1]) end
+    end
+    local now = math.max(now_arg, clk)
+    local ent = load_ent(ent_key)
+    epoch = ent.epoch or 0
+    local grants = {}
+    for _, g in ipairs(grants_of(ent)) do grants[g.ref] = g end
+    local left, fields = delta, {}
+    for k = #list, 1, -1 do
+      if left == 0 then break end
+      local d = list[k]
+      local n = math.min(left, d[2])
+      left, back = left - n, back + n
+      d[2] = d[2] - n
+      local g = grants[d[1]]
+      if g and draw_epoch == ent.epoch and is_live(g, now) then
+        g.remaining = math.min(g.tokens, g.remaining + n)
+        if g.remaining * 100 > (low + low_margin) * g.tokens then g.flags = '' end
+        returned[#returned + 1] = d[1]
+        returned[#returned + 1] = n
+        fields[#fields + 1] = 'g:' .. g.ref
+        fields[#fields + 1] = grant_value(g)
+      end
+    end
+    if #fields > 0 then redis.call('HSET', ent_key, unpack(fields)) end
+    local kept = {}
+    for _, d in ipairs(list) do
+      if d[2] > 0 then kept[#kept + 1] = d end
+    end
+    if #kept == 0 or new_cost == 0 then
+      redis.call('HDEL', dr_key, request_id)
+    else
+      redis.call('HSET', dr_key, request_id, encode_draws(draw_epoch, kept))
+    end
+  end
+end
+
 local unknown = {}
 for i = 1, #flat, 2 do
   local kind, w = string.match(flat[i], '^(%a+):(%d+)$')
-  -- still counted by this window: give the difference back
+  -- still counted by this window: give the difference back (and the drawn part to d:<W>)
   if kind == 'lo' and delta > 0 and score > tonumber(flat[i + 1]) then
     redis.call('HINCRBY', meta_key, 't:' .. w, string.format('%d', -delta))
+    if back > 0 then redis.call('HINCRBY', meta_key, 'd:' .. w, string.format('%d', -back)) end
   end
   -- the window's oldest event leaves the log: the next call looks its successor up
   if kind == 'f' and new_cost == 0 and tonumber(flat[i + 1]) == score then
@@ -65,4 +138,4 @@ if new_cost == 0 then
 else
   redis.call('HSET', ev_key, request_id, string.format('%d', new_cost) .. rest)
 end
-return 1
+return done(1, epoch, returned)

@@ -24,25 +24,59 @@ ARGV[7]  plan        the windows, shortest first, as "<window_ms>:<limit>" items
                      single spaces: window length in ms, limit in tokens (one argument, so
                      the client encodes and Redis parses one string per call, not two per window)
 ARGV[8]  thresholds  optional: usage thresholds, "80,100/5" (percents of a window's limit /
-                     margin in percentage points; _budget_thresholds.lua); absent = none
+                     margin in percentage points; _budget_thresholds.lua); absent or '' = none
+
+With entitlements on (KEYS[4] and KEYS[5] given; _budget_grants.lua describes them):
+KEYS[4]  ent         hash: epoch, want, plan, susp, g:<reference> (the user's entitlements)
+KEYS[5]  dr          hash: request id -> "#<epoch> <ref>=<n> ..." (draws of each charge)
+ARGV[9]  entitled    "<plan_name> <low> <low_margin> <catalog>" in one argument (the client
+                     encodes it once per plan name):
+                     plan_name   the caller's plan (JWT claim or default; may be empty),
+                                 used unless ent.plan names a plan of the catalog
+                     low         credit "low" threshold, percent of a grant's tokens (0..100)
+                     low_margin  percentage points above `low` a grant must get back before
+                                 its low and exhausted reports are re-armed (integer >= 0)
+                     catalog     the deployment's plans, "<name>=<plan>;<name>=<plan>", each
+                                 <plan> as ARGV[7]; may be empty
+The plan's longest window is the quota Q; meta keeps d:<W>, tokens drawn from grants by the
+events window W counts, and the quota's used is t:<Q> - d:<Q>. A charge that fits every
+shorter window (full cost) but needs need = used + cost - Q > 0 tokens over the quota draws
+min(need, cost) from the live grants (draw order in _budget_grants.lua), or is rejected when
+their credit is short. Each grant drawn reports crossing "low" (remaining from > low% of its
+tokens to <= low%) and "exhausted" (remaining 0) once.
 
 Run twice with the same arguments (redis-py re-sends a call whose reply was lost): the second
 run finds the id charged with its own nonce and answers status 1 again, charging nothing.
 
 Returns {status, retry_after_ms, binding, then per plan window: used, resets_at_ms}
+  (entitlements on: {status, retry_after_ms, binding, ent, then per window of the plan used})
   status          1 charged (now, or by this very call before a client re-sent it);
                   2 duplicate: the id was charged by another call, nothing charged now;
-                  0 rejected: some window lacks room, nothing charged
+                  0 rejected: some window lacks room, nothing charged;
+                  entitlements on only: 3 suspended, 4 not loaded (ent has no epoch),
+                  5 cost above a window's limit of the plan used (binding names it);
+                  nothing is charged, advanced or written for 3, 4 and 5; a re-send of
+                  a call that charged is answered as that charge (1) instead
   retry_after_ms  0 unless rejected; else ms until enough of the oldest events have left
                   every failing window (the longest of their waits)
   binding         when rejected, the position (1-based) of the window with that wait; else 0
   used            tokens in the window after this call
   resets_at_ms    when the oldest counted event leaves the window, ms; -1 when it is empty
 then, when this call charged and crossed thresholds, per crossing: window position, percent
+  ent             one string (one reply element costs the client less than a nested one):
+                  "<epoch> <drawn> <credit> <susp> <plan used>|<draws>|<credit crossings>"
+                  epoch   0 = not loaded; for a re-send, the epoch its draws were made under
+                  credit  live credit after the call; -1 = not read (no draw, no reject)
+                  susp    suspended until, ms (0 = until lifted); -1 = not suspended
+                  draws   "<ref>=<n> <ref>=<n>" in draw order (may be empty)
+                  credit crossings  "<kind> <remaining> <tokens> <ref>;..." kind low|exhausted
+A re-send reports the draws its first run made (from dr) and draws nothing more.
 ]]
 local log_key = KEYS[1]
 local ev_key = KEYS[2]
 local meta_key = KEYS[3]
+local ent_key = KEYS[4]
+local dr_key = KEYS[5]
 
 local now_arg = tonumber(ARGV[1])
 local request_id = ARGV[2]
@@ -53,13 +87,21 @@ local margin_ms = tonumber(ARGV[6])
 local plan = ARGV[7]
 local call_windows, limits = {}, {}
 local threshold_spec = ARGV[8] or ''
-for w, limit in string.gmatch(plan, '(%d+):(%d+)') do
-  call_windows[#call_windows + 1] = tonumber(w)
-  limits[#limits + 1] = tonumber(limit)
+local plan_name, low, low_margin, catalog = string.match(ARGV[9] or '',
+                                                        '^(%S*) (%d+) (%d+) ?(.*)$')
+low, low_margin = tonumber(low or '0'), tonumber(low_margin or '0')
+local function parse_plan(text)
+  call_windows, limits = {}, {}
+  for w, limit in string.gmatch(text, '(%d+):(%d+)') do
+    call_windows[#call_windows + 1] = tonumber(w)
+    limits[#limits + 1] = tonumber(limit)
+  end
 end
+parse_plan(plan)
 
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
 --#include _budget_thresholds.lua  (usage-threshold crossings)
+--#include _budget_grants.lua  (entitlements and draws)
 
 -- The wait is found by walking the window's oldest events until they free `need` tokens.
 -- Every event costs at least 1 token, so `need` tokens are freed within the `need` oldest
@@ -74,7 +116,9 @@ local MAX_WALK = 10000
 
 -- How long until enough of the oldest events leave window w to free `need` tokens, ms.
 -- An event scored s leaves the window at s + w exactly (cursors take scores <= now - w).
-local function wait_ms(now, w, need)
+-- For the quota window (`quota` true) an event frees only its quota part, cost minus what it
+-- drew from grants; a part may be 0, so past MAX_WALK the answer is the newest event's exit.
+local function wait_ms(now, w, need, quota)
   local start = count_upto(now - w)  -- rank of the oldest event the window counts
   local freed, walked = 0, 0
   while walked < MAX_WALK do
@@ -88,65 +132,207 @@ local function wait_ms(now, w, need)
       scores[#scores + 1] = tonumber(items[i + 1])
     end
     local recs = redis.call('HMGET', ev_key, unpack(ids))
+    local drs = quota and redis.call('HMGET', dr_key, unpack(ids)) or {}
     for i = 1, #recs do
-      freed = freed + record_cost(recs[i])
+      freed = freed + record_cost(recs[i]) - record_drawn(drs[i])
       if freed >= need then return scores[i] + w - now end
     end
     walked = walked + #ids
     if #ids < size then break end
   end
-  if walked >= MAX_WALK then
+  if walked >= MAX_WALK and not quota then
     -- the bound described above: the event that frees `need` if the rest cost 1 each
     local bound = redis.call('ZRANGE', log_key, start + walked + need - freed - 1,
                              start + walked + need - freed - 1, 'WITHSCORES')
     if #bound > 0 then return math.max(1, tonumber(bound[2]) + w - now) end
   end
-  -- defensive only (cost <= limit, so the window's events always free enough unless
-  -- records are missing): wait until the window is empty
+  -- defensive (cost <= limit, so the window's events free enough unless records are
+  -- missing), and the quota walk's bound: wait until the window is empty
   local newest = redis.call('ZRANGE', log_key, -1, -1, 'WITHSCORES')
   if #newest == 0 then return w end
   return math.max(1, tonumber(newest[2]) + w - now)
 end
 
+local ent = nil        -- the user's entitlements (entitlements on only)
+local nw = #call_windows
+local quota_w = nil    -- the quota window, ms (entitlements on only)
+local draws = {}       -- this charge's draws, {ref, n} in draw order
+local drawn = 0
+local credit = -1      -- live credit after the call; -1 = not read
+local draw_epoch = 0   -- the epoch of the draws reported
+local credit_events = {}
+local susp_out = -1
+
+local function ent_block()
+  local out = string.format('%d %d %d %d %s|', draw_epoch, drawn, credit, susp_out, plan_name)
+  if #draws > 0 then
+    local items = {}
+    for i, d in ipairs(draws) do items[i] = d[1] .. '=' .. string.format('%d', d[2]) end
+    out = out .. table.concat(items, ' ')
+  end
+  out = out .. '|'
+  if #credit_events > 0 then
+    local items = {}
+    for i, e in ipairs(credit_events) do
+      items[i] = string.format('%s %d %d %s', e[2], e[3], e[4], e[1])
+    end
+    out = out .. table.concat(items, ';')
+  end
+  return out
+end
+
+-- A re-send of this very call that already charged (its reply was lost) is answered as that
+-- charge even when the user has since been suspended, invalidated or moved to a plan the
+-- cost exceeds: the caller must learn of the charge (to refund it), not be told "nothing".
+local function charged_by_this_call()
+  if not redis.call('ZSCORE', log_key, request_id) then return false end
+  local rec = redis.call('HGET', ev_key, request_id)
+  return rec and string.match(rec, '^%d+ (%S+)') == nonce
+end
+
+local resent = false
+if dr_key then
+  ent = load_ent(ent_key)
+  if not ent.epoch then
+    resent = charged_by_this_call()
+    if not resent then return {4, 0, 0, ent_block()} end
+  end
+  draw_epoch = ent.epoch or 0
+end
+
 local m = load_meta()
 local now = math.max(now_arg, m.clk)
+
+if ent then
+  if ent.susp and (ent.susp == 0 or now < ent.susp) then
+    resent = resent or charged_by_this_call()
+    if not resent then
+      susp_out = ent.susp
+      return {3, 0, 0, ent_block()}
+    end
+  end
+  if ent.plan and ent.plan ~= plan_name then
+    for name, spec in string.gmatch(catalog, '([^;=]+)=([^;]*)') do
+      if name == ent.plan then
+        plan_name = name
+        parse_plan(spec)
+        nw = #call_windows
+        break
+      end
+    end
+  end
+  for i = 1, nw do
+    if cost > limits[i] and not resent then
+      resent = charged_by_this_call()
+      if not resent then return {5, 0, i, ent_block()} end
+    end
+  end
+  quota_w = call_windows[nw]
+  m.quota = quota_w
+end
+
 local longest = advance(m, now, call_windows)
+
+local function used_of(w)
+  local s = m.windows[w]
+  if w == quota_w then return s.total - s.drawn end
+  return s.total
+end
 
 local function reply(status, retry, binding)
   local out = {status, retry, binding}
+  if ent then out[4] = ent_block() end
   for _, w in ipairs(call_windows) do
-    out[#out + 1] = m.windows[w].total
+    out[#out + 1] = used_of(w)
     out[#out + 1] = resets_at(m, w)
   end
   return out
 end
 
-local fits = true
+local fits, quota_short = true, false
 for i, w in ipairs(call_windows) do
-  if m.windows[w].total + cost > limits[i] then fits = false end
+  if w == quota_w then
+    local need = used_of(w) + cost - limits[i]
+    if need > 0 then
+      local want = math.min(need, cost)
+      local live, avail = live_grants(ent, now)
+      credit = avail
+      if avail < want then
+        fits, quota_short = false, true
+      else
+        for _, g in ipairs(live) do
+          if want == 0 then break end
+          local n = math.min(want, g.remaining)
+          if n > 0 then
+            draws[#draws + 1] = {g.ref, n, g}
+            want = want - n
+            drawn = drawn + n
+          end
+        end
+      end
+    end
+  elseif m.windows[w].total + cost > limits[i] then
+    fits = false
+  end
+end
+if ent and not fits and credit < 0 then
+  local _, avail = live_grants(ent, now)
+  credit = avail
+end
+
+-- The draws become real: remaining, credit crossings, the dr record, d:<W> of every window.
+local function apply_draws()
+  local fields = {}
+  for _, d in ipairs(draws) do
+    local g, n = d[3], d[2]
+    local before = g.remaining
+    g.remaining = before - n
+    if not string.find(g.flags, 'l', 1, true) and before * 100 > low * g.tokens
+        and g.remaining * 100 <= low * g.tokens then
+      g.flags = g.flags .. 'l'
+      credit_events[#credit_events + 1] = {g.ref, 'low', g.remaining, g.tokens}
+    end
+    if g.remaining == 0 and not string.find(g.flags, 'x', 1, true) then
+      g.flags = g.flags .. 'x'
+      credit_events[#credit_events + 1] = {g.ref, 'exhausted', 0, g.tokens}
+    end
+    fields[#fields + 1] = 'g:' .. g.ref
+    fields[#fields + 1] = grant_value(g)
+    d[3] = nil
+  end
+  redis.call('HSET', ent_key, unpack(fields))
+  redis.call('HSET', dr_key, request_id, encode_draws(ent.epoch, draws))
+  redis.call('PEXPIRE', dr_key, int(longest + margin_ms + math.min(longest, 3600000)))
+  credit = credit - drawn
+  for _, s in pairs(m.windows) do s.drawn = s.drawn + drawn end
 end
 
 if fits then
   -- NX: an id already in the log keeps its charge (a duplicate, answered below)
   if redis.call('ZADD', log_key, 'NX', int(now), request_id) == 1 then
     redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
+    if drawn > 0 then apply_draws() end
     for _, s in pairs(m.windows) do
       s.total = s.total + cost
       if s.first == NONE then s.first = now end
     end
     save_meta(m, now, longest)
+    m.drawn_now = drawn
     return append_crossings(reply(1, 0, 0), threshold_spec, m, cost)
   end
 elseif not redis.call('ZSCORE', log_key, request_id) then
   local retry, binding = 0, 0
   for i, w in ipairs(call_windows) do
-    local total = m.windows[w].total
-    if total + cost > limits[i] then
-      local wait = wait_ms(now, w, total + cost - limits[i])
+    local total = used_of(w)
+    -- the quota fails only when the grants could not cover what it lacks
+    if total + cost > limits[i] and (w ~= quota_w or quota_short) then
+      local quota = w == quota_w and m.windows[w].drawn > 0
+      local wait = wait_ms(now, w, total + cost - limits[i], quota)
       if wait > retry then retry, binding = wait, i end
     end
   end
   save_meta(m, now, longest)
+  draws, drawn = {}, 0  -- nothing drawn for a rejected charge
   return reply(0, retry, binding)
 end
 
@@ -154,4 +340,15 @@ end
 save_meta(m, now, longest)
 local rec = redis.call('HGET', ev_key, request_id)
 local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
+draws, drawn, credit = {}, 0, -1
+if ent and same_call then
+  -- a re-send: report the draws its first run made, nothing drawn now
+  local epoch, list = parse_draws(redis.call('HGET', dr_key, request_id))
+  if epoch then
+    draws, draw_epoch = list, epoch
+    for _, d in ipairs(list) do drawn = drawn + d[2] end
+    local _, avail = live_grants(ent, now)
+    credit = avail
+  end
+end
 return reply(same_call and 1 or 2, 0, 0)

@@ -6,6 +6,7 @@ the shape are defined once:
     ApiError
      ├── Unauthorized          401 unauthorized
      ├── Forbidden             403 forbidden
+     ├── AccountSuspended      403 account_suspended      (until, when the suspension ends)
      ├── InvalidRequest        400 invalid_request (422 for body validation)
      ├── PayloadTooLarge       413 payload_too_large
      ├── IdempotencyConflict   409 idempotency_conflict
@@ -53,6 +54,16 @@ class Unauthorized(ApiError):
 
 class Forbidden(ApiError):
     status, code = 403, "forbidden"
+
+
+class AccountSuspended(ApiError):
+    """The account is suspended: nothing is charged and no provider is called.
+
+    The body carries ``until`` (RFC 3339) when the suspension ends by itself, else null;
+    the operator's reason is never shown to the user.
+    """
+
+    status, code = 403, "account_suspended"
 
 
 class InvalidRequest(ApiError):

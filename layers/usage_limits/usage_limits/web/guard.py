@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from ..budget import new_nonce
+from ..entitlements.exceptions import StoreUnavailable
+from ..entitlements.models import iso
 from ..entitlements.plans import Plan
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
 from . import events, identity, refunds, runtime
@@ -39,6 +41,7 @@ from . import observability as obs
 from .charge import Charge
 from .costs import Cost, price
 from .errors import (
+    AccountSuspended,
     BudgetExceeded,
     CostExceedsPlan,
     IdempotencyConflict,
@@ -48,7 +51,8 @@ from .errors import (
 from .settings import settings
 
 if TYPE_CHECKING:
-    from ..budget import Reservation, WindowUsage
+    from ..budget import Reservation, Usage, WindowUsage
+    from ..entitlements.cache import EntitlementCache
 
 STATE_KEY = "usage_limits"
 #: Attribute of a route class that reserves after validation (``metering.MeteredRoute``).
@@ -101,6 +105,42 @@ def current_plan(request: Request) -> Plan:
     return identity.plan(request).plan
 
 
+async def read_usage(user: str, plan: Plan, *, events: int = 50) -> tuple[Usage, Plan]:
+    """The user's windows, recent spend and grants, for a route that charges nothing.
+
+    With entitlements on, the user's copy is loaded when the cache has none, a suspended
+    account is refused like on every metered route, and the windows are those of the plan
+    in force (an operator's override beats ``plan``).
+
+    Args:
+        plan: the plan from the claim or the default.
+        events: how many recent spend events to read.
+
+    Returns:
+        The usage and the plan it was read for.
+
+    Raises:
+        AccountSuspended: the account is suspended.
+        LimiterUnavailableError: Redis or DynamoDB could not be reached.
+    """
+    budget = runtime.get_budget(plan.windows)
+    ent = runtime.get_entitlements()
+    if ent is None:
+        return await budget.usage(user, events=events), plan
+    try:
+        report = await ent.usage(budget, user, events=events, plan_name=plan.name)
+    except StoreUnavailable as exc:
+        raise LimiterUnavailableError("the usage limiter is unavailable",
+                                      headers=retry_after_header(1)) from exc
+    if not report.loaded:  # operator changes kept overtaking the load
+        raise LimiterUnavailableError("the usage limiter is unavailable",
+                                      headers=retry_after_header(1))
+    until = report.suspended_until_ms
+    if until is not None:
+        raise AccountSuspended("this account is suspended", until=iso(until) if until else None)
+    return report, settings().plans.get(report.plan_name) or plan
+
+
 def _route_path(request: Request) -> str:
     """The matched route's path template, or the URL's path when no route matched."""
     path: str = getattr(request.scope.get("route"), "path", request.url.path)
@@ -139,7 +179,8 @@ def require_tokens(
         plan = identity.plan(request).plan
         state.plan_name = plan.name
         state.pending = Charge(runtime.get_budget(plan.windows), user,
-                               identity.request_id(request), 0, nonce="")
+                               identity.request_id(request), 0, nonce="",
+                               entitlements=runtime.get_entitlements())
 
         async def meter(arguments: dict[str, Any]) -> Charge:
             if isinstance(declared, int):
@@ -159,18 +200,29 @@ def require_tokens(
         charge = state.pending
         if charge is None:
             raise InvalidArgument("no charge was prepared for this request")
-        user, rid, budget = charge.user_id, charge.request_id, charge.budget
+        user, rid, budget, ent = charge.user_id, charge.request_id, charge.budget, \
+            charge.entitlements
         plan = tuple((w.limit, int(w.seconds)) for w in budget.windows)
         name = route or _route_path(request)
         nonce = new_nonce()
         try:
-            reservation = await budget.reserve(user, rid, cost=cost, route=name, nonce=nonce)
+            if ent is None:
+                reservation = await budget.reserve(user, rid, cost=cost, route=name,
+                                                   nonce=nonce)
+            else:  # loads the user's entitlements first when the cache has none
+                reservation = await ent.reserve(budget, user, rid, cost, route=name,
+                                                nonce=nonce, plan_name=state.plan_name)
         except LimiterUnavailable as exc:
             # Redis may have made the charge and lost only its reply (a kill or a timeout
             # after the script ran): refund it later, when Redis answers again. The refund
             # carries this call's nonce, so it removes that charge or nothing: never the
             # charge of a retry that another environment served under the same id.
-            refunds.keep(Charge(budget, user, rid, cost, nonce), settings().plans.longest_s)
+            refunds.keep(Charge(budget, user, rid, cost, nonce, entitlements=ent),
+                         settings().plans.longest_s)
+            raise LimiterUnavailableError(
+                "the usage limiter is unavailable; nothing was charged",
+                headers=retry_after_header(1)) from exc
+        except StoreUnavailable as exc:  # a load was needed; nothing was charged
             raise LimiterUnavailableError(
                 "the usage limiter is unavailable; nothing was charged",
                 headers=retry_after_header(1)) from exc
@@ -180,20 +232,26 @@ def require_tokens(
                 f"this request costs {cost} tokens, more than your plan allows in a window "
                 f"of {window_s} s; it can never be served under this plan",
                 cost=cost, limit=int(exc.limit), window_s=window_s) from exc
+        if ent is not None:
+            _check_entitlements(reservation)
+            state.plan_name = reservation.plan_name or state.plan_name
         state.reservation = reservation
         if not reservation.allowed:
             obs.count(obs.BUDGET_REJECTED)
+            extra = {} if ent is None else {"credit": reservation.credit or 0}
             raise BudgetExceeded(
                 f"token budget exceeded: this request costs {cost} tokens",
                 headers=retry_after_header(reservation.retry_after_s),
                 retry_after_s=round(reservation.retry_after_s, 3), limit=reservation.limit,
                 remaining=reservation.remaining, window_s=_seconds(reservation.window_s),
-                cost=cost)
+                cost=cost, **extra)
         if reservation.duplicate:
             raise IdempotencyConflict(
                 "this Idempotency-Key was already used for a request that was charged; "
                 "use a new key for a new request")
         charge.cost, charge.nonce, charge.reservation = cost, nonce, reservation
+        if ent is not None and reservation.drawn > 0:
+            await _record_draw(state, charge, ent, reservation)
         state.charge = charge
         obs.count(obs.TOKENS_RESERVED, cost)
         if reservation.crossings:  # published alongside the request, within a short bound
@@ -205,6 +263,50 @@ def require_tokens(
                                else f"require_tokens_per_{cost.model.__name__}")
     reserve_tokens.cost = price(cost)  # type: ignore[attr-defined]  # read by the price-list test
     return reserve_tokens
+
+
+def _check_entitlements(reservation: Reservation) -> None:
+    """Raise the public error of a reservation the user's entitlements refused.
+
+    Raises:
+        AccountSuspended: the account is suspended (nothing was charged).
+        LimiterUnavailableError: the user's entitlements could not be loaded (operator
+            changes kept overtaking the load); nothing was charged.
+    """
+    if reservation.status == "suspended":
+        until = reservation.suspended_until_ms
+        raise AccountSuspended("this account is suspended; nothing was charged",
+                               until=iso(until) if until else None)
+    if reservation.status == "not_loaded":
+        raise LimiterUnavailableError("the usage limiter is unavailable; nothing was charged",
+                                      headers=retry_after_header(1))
+
+
+async def _record_draw(state: RequestState, charge: Charge, ent: EntitlementCache,
+                       reservation: Reservation) -> None:
+    """Record the charge's draws from grants in DynamoDB before the route runs.
+
+    Raises:
+        LimiterUnavailableError: they could not be recorded; the charge is refunded (or
+            kept to be refunded) and no provider is called.
+    """
+    if await ent.commit_draw(charge.user_id, charge.request_id, charge.nonce, reservation):
+        charge.recorded = True
+        obs.count(obs.CREDIT_DRAWN, reservation.drawn)
+        credit_events = getattr(events, "credit_events", None)
+        if reservation.credit_crossings and credit_events is not None:
+            events.publish_soon(credit_events(charge.user_id, state.plan_name,
+                                              reservation.credit_crossings))
+        return
+    state.reservation = None  # no RateLimit fields claiming a charge that is undone
+    try:
+        await charge.refund()
+    except Exception:  # Redis failed too: refund before this environment's next request
+        obs.logger().exception("refund of an unrecorded draw failed; kept")
+        charge.cost = reservation.cost
+        refunds.keep(charge, settings().plans.longest_s)
+    raise LimiterUnavailableError("the usage limiter is unavailable; nothing was charged",
+                                  headers=retry_after_header(1))
 
 
 def _seconds(value: float) -> float | int:

@@ -30,10 +30,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..entitlements.models import iso
 from ..exceptions import InvalidArgument, LimiterUnavailable
 from . import idempotency as idem
 from . import observability as obs
-from .errors import IdempotencyConflict, LimiterUnavailableError, retry_after_header
+from .errors import (
+    AccountSuspended,
+    IdempotencyConflict,
+    LimiterUnavailableError,
+    retry_after_header,
+)
 from .guard import RequestState, request_state
 
 #: The endpoint argument the wrapper adds to receive the request (never the route's own).
@@ -121,11 +127,25 @@ async def _read_windows(state: RequestState) -> None:
 
     The answer goes out without those headers when Redis fails now (it answered the key's
     claim a moment ago): the stored answer or the conflict matters more than the headers.
+    With entitlements on, a suspended account gets its 403 here too: a replay is a
+    metered request, and it is refused like any other.
+
+    Raises:
+        AccountSuspended: the account is suspended.
     """
     charge = state.pending
     if charge is None:
         return
     try:
-        state.windows = (await charge.budget.usage(charge.user_id, events=0)).windows
+        if charge.entitlements is None:
+            usage = await charge.budget.usage(charge.user_id, events=0)
+        else:
+            usage = await charge.entitlements.usage(charge.budget, charge.user_id, events=0,
+                                                    plan_name=state.plan_name)
     except Exception:
         obs.logger().warning("could not read the usage for the RateLimit headers")
+        return
+    state.windows = usage.windows
+    until = usage.suspended_until_ms
+    if charge.entitlements is not None and until is not None:
+        raise AccountSuspended("this account is suspended", until=iso(until) if until else None)

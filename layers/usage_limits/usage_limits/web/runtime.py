@@ -1,4 +1,4 @@
-"""Per-execution-environment singletons: one Redis client and one ledger.
+"""Per-execution-environment singletons: one Redis client, its ledgers, the entitlements.
 
 A Lambda execution environment handles one request at a time and Mangum runs every
 invocation on the same event loop, so one lazily created ``redis.asyncio`` client is reused
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..budget import TokenBudget
+    from ..entitlements.cache import EntitlementCache
 
 _client: Any = None
 _client_loop: asyncio.AbstractEventLoop | None = None
@@ -21,12 +22,14 @@ _injected: Any = None
 #: The environment's ledgers, one per plan, over the client they were made for.
 _budgets: dict[tuple[tuple[int, int], ...], TokenBudget] = {}
 _budgets_client: Any = None
+_entitlements: EntitlementCache | None = None
 
 
 def set_redis(client: Any) -> None:
     """Use ``client`` for every request of this process (tests, custom wiring); None resets."""
-    global _injected, _client, _client_loop, _budgets_client
+    global _injected, _client, _client_loop, _budgets_client, _entitlements
     _injected, _client, _client_loop, _budgets_client = client, None, None, None
+    _entitlements = None
     _budgets.clear()
 
 
@@ -50,7 +53,11 @@ def get_redis() -> Any:
 def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
     """The ledger over the shared client for the given plan, made once per client and plan
     (a TokenBudget encodes its plan's script arguments when it is made). A deployment has a
-    few named plans, so one is kept per plan; a new client starts them afresh."""
+    few named plans, so one is kept per plan; a new client starts them afresh.
+
+    With the entitlements table configured (``ATTO_ENTITLEMENTS_TABLE``) each ledger knows
+    every plan of the deployment (an operator's override names one of them) and applies
+    overrides, grants and suspensions; without it, none are read."""
     global _budgets_client
     client = get_redis()
     if _budgets_client is not client:
@@ -61,8 +68,31 @@ def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
         return budget
     from ..budget import TokenBudget, Window
     from ..thresholds import configured
+    from .settings import settings
 
+    conf = settings()
+    catalog = None
+    if conf.entitlements:
+        catalog = {name: [Window(limit=limit, seconds=seconds) for limit, seconds in p.windows]
+                   for name, p in conf.plans.by_name.items()}
     budget = _budgets[windows] = TokenBudget(
         client, windows=[Window(limit=limit, seconds=seconds) for limit, seconds in windows],
-        thresholds=configured())
+        thresholds=configured(), catalog=catalog, entitlements=conf.entitlements)
     return budget
+
+
+def get_entitlements() -> EntitlementCache | None:
+    """The environment's entitlements cache over the store, or None when the entitlements
+    table is not configured (the request path then reads no entitlements)."""
+    global _entitlements
+    from .settings import settings
+
+    conf = settings()
+    if not conf.entitlements:
+        return None
+    if _entitlements is None:
+        from ..entitlements.cache import EntitlementCache
+        from ..entitlements.store import default_store
+
+        _entitlements = EntitlementCache(default_store())
+    return _entitlements

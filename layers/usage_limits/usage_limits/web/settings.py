@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
+from ..entitlements.config import ENTITLEMENTS_TABLE_ENV
 from ..entitlements.plans import SINGLE_PLAN_NAME, Plans, parse_windows
 from ..exceptions import InvalidArgument
 
@@ -68,6 +69,8 @@ class WebSettings:
         deadline_margin_s: time kept back from the request deadline for refunds.
         request_timeout_s: the timeout assumed when there is no Lambda context (local
             serving); in Lambda the context's remaining time is used.
+        entitlements: True when ``ATTO_ENTITLEMENTS_TABLE`` names the entitlements table:
+            the request path then applies plan overrides, grants and suspensions.
     """
 
     local: bool = False
@@ -77,6 +80,7 @@ class WebSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     deadline_margin_s: float = DEFAULT_DEADLINE_MARGIN_S
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    entitlements: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WebSettings:
@@ -104,6 +108,7 @@ class WebSettings:
             max_body_bytes=max_body,
             deadline_margin_s=margin,
             request_timeout_s=timeout,
+            entitlements=bool(env.get(ENTITLEMENTS_TABLE_ENV, "").strip()),
         )
 
 

@@ -1,0 +1,65 @@
+--[[ budget_ent_load.lua: write a user's entitlements (ent), loaded from the record of truth.
+
+Writes only when ent has no epoch and this load's epoch is at least ent.want (the least
+epoch an invalidation asked for), or when ent holds a smaller epoch; the whole hash is then
+replaced. A grant whose remaining is unchanged keeps its credit-report flags (so a low or
+exhausted crossing is not reported again). An ent already at this very epoch is left as it
+is: a re-sent load (or a second loader of the same epoch) changes nothing and succeeds.
+
+KEYS[1]  ent         hash: epoch, want, plan, susp, g:<reference> (see _budget_grants.lua)
+ARGV[1]  epoch       this load's epoch (integer >= 1)
+ARGV[2]  ttl_ms      expiry of ent, ms (integer >= 1)
+ARGV[3]  plan        the operator's plan override; '' = none
+ARGV[4]  susp        suspension end, ms since the epoch, 0 = until lifted; '' = none
+ARGV[5]  grants      the live grants, one "<reference> <remaining> <expires_ms or 0> <kind>
+                     <created_ms> <tokens>" per line (may be empty)
+
+Returns {loaded, epoch}: loaded 1 when ent now holds this epoch (written now or already),
+0 when refused (ent holds a newer epoch, or wants one); epoch = ent's epoch after the call
+(0 = none).
+]]
+local ent_key = KEYS[1]
+
+local epoch = tonumber(ARGV[1])
+local ttl_ms = ARGV[2]
+local plan = ARGV[3]
+local susp = ARGV[4]
+local grants = ARGV[5]
+
+--#include _budget_grants.lua  (entitlements and draws)
+
+local current = load_ent(ent_key)
+if current.epoch then
+  if current.epoch == epoch then return {1, epoch} end
+  if current.epoch > epoch then return {0, current.epoch} end
+elseif current.want and epoch < current.want then
+  return {0, 0}
+end
+
+local kept = {}
+for _, g in ipairs(grants_of(current)) do kept[g.ref] = g end
+local fields = {'epoch', string.format('%d', epoch)}
+if plan ~= '' then
+  fields[#fields + 1] = 'plan'
+  fields[#fields + 1] = plan
+end
+if susp ~= '' then
+  fields[#fields + 1] = 'susp'
+  fields[#fields + 1] = susp
+end
+for line in string.gmatch(grants, '[^\n]+') do
+  local ref, rem, exp, kind, created, tokens = string.match(
+    line, '^(%S+) (%d+) (%d+) (%a+) (%d+) (%d+)$')
+  if ref then
+    local g = {ref = ref, remaining = tonumber(rem), expires = tonumber(exp), kind = kind,
+               created = tonumber(created), tokens = tonumber(tokens), flags = ''}
+    local old = kept[ref]
+    if old and old.remaining == g.remaining and old.tokens == g.tokens then g.flags = old.flags end
+    fields[#fields + 1] = 'g:' .. ref
+    fields[#fields + 1] = grant_value(g)
+  end
+end
+redis.call('DEL', ent_key)
+redis.call('HSET', ent_key, unpack(fields))
+redis.call('PEXPIRE', ent_key, ttl_ms)
+return {1, epoch}

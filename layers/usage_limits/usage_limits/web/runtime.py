@@ -61,8 +61,9 @@ def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
         return budget
     from ..budget import TokenBudget, Window
     from ..thresholds import configured
+    from .settings import settings
 
     budget = _budgets[windows] = TokenBudget(
         client, windows=[Window(limit=limit, seconds=seconds) for limit, seconds in windows],
-        thresholds=configured())
+        thresholds=configured(), credit_low_percent=settings().credit_low_percent)
     return budget

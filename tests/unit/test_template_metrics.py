@@ -3,8 +3,8 @@
 The emitted set is derived from the code, not kept by hand: the metric-name constants and
 dimension sets declared in ``usage_limits/web/observability.py``, and the calls
 ``obs.count(...)``/``obs.provider_count(...)`` found in the layers' and functions' source
-(a declared metric that nothing counts is not emitted). Metrics of the ``AWS/Lambda``
-namespace are the platform's own.
+(a declared metric that nothing counts is not emitted), and the few request metrics
+``COUNTED_BY_GUARD`` names. Metrics of the ``AWS/Lambda`` namespace are the platform's own.
 """
 
 from __future__ import annotations

@@ -12,8 +12,15 @@ call (µs, ``usec_per_call`` of evalsha in INFO commandstats, reset before each 
 Redis memory per spend event (MEMORY USAGE SAMPLES 0 of log + ev + meta, divided by N).
 Lua garbage of the naive script is collected (unmeasured) after each of its runs.
 
+A second table measures entitlements (plan overrides, grants, suspensions) on the same
+server in the same rounds, 10 events in each user's window: plain reserve (entitlements
+off), entitlements on with an empty ent, with a plan override, with 3 grants that do not
+draw, and with 3 grants that every call draws from (a 1-token quota, so each cost-1 call is
+covered by the earliest grant); each row's p50 and Redis time against plain's.
+
     .venv/bin/python bench/budget.py            # full run (about a minute)
     .venv/bin/python bench/budget.py --quick    # fewer calls per size
+    .venv/bin/python bench/budget.py --quick --entitlements-only   # the second table only
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for local.redis_servers
 
@@ -139,6 +147,102 @@ class Ledger:
         assert await self.client.evalsha(self.naive_sha, 2, log, ev, boundary) == self.n
 
 
+#: Events in each window of the entitlements table.
+ENT_EVENTS = 10
+#: The entitlements table's plans: the plain one, and a 1-token quota every call overflows.
+ENT_CATALOG = {"plain": [WINDOW], "pro": [Window(limit=10**12 - 1, seconds=30 * 86_400)],
+               "drawing": [Window(limit=1, seconds=30 * 86_400)]}
+GRANT_TOKENS = 10**11
+
+
+def three_grants(now: int) -> list[Any]:
+    """Three large grants of different kinds and expiries (the promo one is drawn first)."""
+    # imported here: bench/hotpath.py imports this module against older trees too
+    from usage_limits.budget import LiveGrant
+
+    return [LiveGrant("inv_1", GRANT_TOKENS, GRANT_TOKENS, None, "paid", now),
+            LiveGrant("promo_1", GRANT_TOKENS, GRANT_TOKENS, now + 400 * 86_400_000, "promo",
+                      now),
+            LiveGrant("inv_2", GRANT_TOKENS, GRANT_TOKENS, now + 400 * 86_400_000, "paid", now)]
+
+
+class EntLedger:
+    """One user's steady-state window of ENT_EVENTS events under one entitlements setup."""
+
+    def __init__(self, client: aioredis.Redis, name: str, budget: TokenBudget, plan: str,
+                 override: str | None = None, grants: int = 0) -> None:
+        self.client, self.name, self.budget, self.plan = client, name, budget, plan
+        self.override, self.grants = override, grants
+        self.user, self.step, self.k = f"ent-{name}", spacing_ms(ENT_EVENTS), 0
+        self.drawn = 0
+
+    async def prepare(self) -> None:
+        """Load ent (entitlements on), fill the window, warm up."""
+        if self.budget.entitlements:
+            grants = three_grants(T0) if self.grants else []
+            assert await self.budget.load_entitlements(
+                self.user, epoch=1, plan=self.override, suspended_until_ms=None,
+                grants=grants, ttl_s=60 * 86_400)
+        filler = TokenBudget(self.client, [WINDOW])  # plain charges: nothing drawn
+        await fill(self.client, filler, self.user, ENT_EVENTS)
+        for _ in range(WARM_UP):
+            await self.reserve()
+
+    async def reserve(self) -> None:
+        d = await self.budget.reserve(self.user, f"m{self.k:015d}", 1, route=ROUTE,
+                                      plan_name=self.plan,
+                                      now_ms=T0 + (ENT_EVENTS + self.k) * self.step)
+        self.k += 1
+        assert d.allowed and not d.duplicate, d
+        self.drawn += d.drawn
+
+
+def ent_ledgers(client: aioredis.Redis) -> list[EntLedger]:
+    """The rows of the entitlements table, plain first."""
+    off = TokenBudget(client, [WINDOW])
+    on = TokenBudget(client, [WINDOW], catalog=ENT_CATALOG, entitlements=True)
+    return [EntLedger(client, "plain (entitlements off)", off, "plain"),
+            EntLedger(client, "entitlements on, empty ent", on, "plain"),
+            EntLedger(client, "plan override", on, "plain", override="pro"),
+            EntLedger(client, "3 grants, not drawing", on, "plain", grants=3),
+            EntLedger(client, "3 grants, drawing", on, "drawing", grants=3)]
+
+
+def print_ent_table(rows: list[tuple[EntLedger, Series]], calls: int, quick: bool) -> None:
+    plain = rows[0][1]
+    head = (f"{'reserve, ' + str(ENT_EVENTS) + ' events in window':>32} | {'p50':>5} "
+            f"{'p99':>6} {'server':>6} | {'p50 / plain':>11} {'server / plain':>14} | "
+            f"{'drawn':>6}")
+    print()
+    print(f"Entitlements, {calls} admitted cost-1 reservations per row"
+          f"{' (--quick)' if quick else ''}; times in µs, server = Redis time per call")
+    print(head)
+    print("-" * len(head))
+    for ledger, r in rows:
+        print(f"{ledger.name:>32} | {r.p50():>5.0f} {r.p99():>6.0f} {r.server():>6.1f} | "
+              f"{r.p50() / plain.p50():>11.2f} {r.server() / plain.server():>14.2f} | "
+              f"{ledger.drawn:>6}")
+    worst = max(r.p50() for ledger, r in rows if "override" in ledger.name
+                or "not drawing" in ledger.name) / plain.p50()
+    print(f"target: override and 3 grants p50 <= 1.1x plain (worst {worst:.2f}x)")
+
+
+async def run_entitlements(quick: bool) -> None:
+    rounds, per_round = (10, 150) if quick else (20, 300)  # 10 events: cheap even in full
+    with RedisServer() as server:
+        client = aioredis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30)
+        await client.script_load(script("budget_reserve").source)  # fill pipelines EVALSHA
+        ledgers = ent_ledgers(client)
+        for ledger in ledgers:
+            await ledger.prepare()
+        series = [Series() for _ in ledgers]
+        for _ in range(rounds):
+            for ledger, r in zip(ledgers, series, strict=True):
+                await block(client, r, per_round, ledger.reserve)
+        await client.aclose()
+    print_ent_table(list(zip(ledgers, series, strict=True)), rounds * per_round, quick)
+
+
 async def run(quick: bool) -> None:
     rounds, per_round = (5, 60) if quick else (15, 200)
     naive_budget_calls = 10_000 if quick else 60_000  # per round, divided by n
@@ -200,7 +304,12 @@ def print_table(base: Series, rows: list[tuple[int, Series, Series, float]], cal
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls per size")
-    asyncio.run(run(parser.parse_args().quick))
+    parser.add_argument("--entitlements-only", action="store_true",
+                        help="only the entitlements table")
+    args = parser.parse_args()
+    if not args.entitlements_only:
+        asyncio.run(run(args.quick))
+    asyncio.run(run_entitlements(args.quick))
 
 
 if __name__ == "__main__":

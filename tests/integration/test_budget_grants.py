@@ -385,7 +385,7 @@ async def test_a_resent_drawing_reserve_reports_the_same_draws(redis_client, uid
     # a late duplicate after a reload still names the epoch the draw was made under
     await load(budget, uid, grant("g", 10, remaining=7), epoch=2)
     late = await resending.replay(resending.calls_of(script("budget_reserve"))[-1])
-    assert late[0] == 1 and late[3][1] == 1 and late[3][5] == [b"g", 3]
+    assert late[0] == 1 and late[3] == b"1 3 7 -1 free|g=3|"  # epoch 1, drew 3, credit 7
     other = await budget.reserve(uid, "x", 3, now_ms=T0 + 2 * MIN, plan_name="free")
     assert (other.status, other.draws) == ("duplicate", ())
     assert await remaining(budget, uid, T0 + 2 * MIN) == {"g": 7}
@@ -468,3 +468,47 @@ async def test_entitlements_off_ignore_ent_and_run_the_same_commands(redis_clien
     assert keys == user_keys(uid, "log", "ev", "meta")
     assert await off.refund(uid, "a", nonce=d.nonce)
     assert (await on.reserve(uid, "c", 1, now_ms=T0, plan_name="free")).status == "suspended"
+
+
+async def test_a_cost_that_fits_the_callers_plan_is_not_refused_early(redis_client,  # type: ignore[no-untyped-def]
+                                                                      uid) -> None:
+    """With entitlements on, a cost above the default plan's limit but within the plan the
+    caller passes is charged, not refused before Redis."""
+    budget = TokenBudget(redis_client, TINY, entitlements=True)
+    await load(budget, uid)
+    d = await budget.reserve(uid, "a", 9, windows=FREE, now_ms=T0)
+    assert (d.status, [w.used for w in d.windows]) == ("charged", [9, 9])
+    with pytest.raises(CostExceedsLimit):
+        await budget.reserve(uid, "b", 11, windows=FREE, now_ms=T0)
+
+
+async def test_a_resent_reservation_of_another_call_reports_no_credit(redis_client,  # type: ignore[no-untyped-def]
+                                                                      uid) -> None:
+    """A second reservation of an id already charged (another nonce) draws nothing and
+    reports neither draws nor credit, even when the quota is full."""
+    budget = budget_on(redis_client)
+    await load(budget, uid, grant("g", 10))
+    await fill_quota(budget, uid)
+    d = await budget.reserve(uid, "fill1", 3, now_ms=T0 + 2 * MIN, plan_name="free")
+    assert (d.status, d.draws, d.credit) == ("duplicate", (), None)
+    assert await remaining(budget, uid, T0 + 2 * MIN) == {"g": 10}
+
+
+async def test_usage_read_twice_answers_the_same_and_changes_nothing(redis_client,  # type: ignore[no-untyped-def]
+                                                                     uid) -> None:
+    """A usage read run twice (a re-send) reports the same plan, grants, draws and windows,
+    and leaves grants and draws as they were."""
+    budget = budget_on(redis_client)
+    await load(budget, uid, grant("g", 10), plan="pro")
+    for i, cost in enumerate((40, 40, 30)):
+        d = await budget.reserve(uid, f"r{i}", cost, now_ms=T0 + i * MIN, plan_name="free")
+        assert d.status == "charged"
+    twice = budget_on(Resending(redis_client))
+    first = await budget.usage(uid, now_ms=T0 + 3 * MIN, plan_name="free")
+    again = await twice.usage(uid, now_ms=T0 + 3 * MIN, plan_name="free")
+    assert first == again
+    assert (first.plan_name, [w.used for w in first.windows]) == ("pro", [0, 100])
+    assert first.events[0].draws == (("g", 10),) and first.grants[0].remaining == 0
+    ent, dr = user_keys(uid, "ent", "dr")
+    assert await redis_client.hget(dr, "r2") == b"#1 g=10"
+    assert (await redis_client.hget(ent, "g:g")).startswith(b"0 0 paid 0 10")

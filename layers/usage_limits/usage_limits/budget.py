@@ -69,7 +69,7 @@ import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -411,6 +411,9 @@ class TokenBudget:
                                      for name, plan in self.catalog.items()).encode()
         margin = thresholds.margin if thresholds is not None else DEFAULT_CREDIT_MARGIN
         self._credit_args = (credit_low_percent, margin)
+        self._ent_args = (credit_low_percent, margin, self._catalog_arg)
+        self._ent_arg: dict[str, bytes] = {}  # ARGV[9] of the reserve script, per plan name
+        self._threshold_arg = self._thresholds[0] if self._thresholds else ""
         #: the smallest limit a cost must fit in some plan (the scripts check the plan used)
         self._any_plan_smallest = max(
             [_plan_args(p)[0] for p in self.catalog.values()] + [self._default_args[0]])
@@ -453,18 +456,12 @@ class TokenBudget:
         keys, args = self._reserve_call(user_id, request_id, cost, route, plan, now_ms, nonce,
                                         plan_name)
         reply = await script("budget_reserve")(self.redis, keys, args)
-        if not self.entitlements:
-            return _decode_reservation(reply, cost, plan, nonce, plan_name=plan_name)
-        used = self._plan_used(_text(reply[3][0]), plan)
-        if int(reply[0]) == _TOO_BIG:
-            w = used[int(reply[2]) - 1]
-            raise CostExceedsLimit(
-                f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
-                cost=cost, limit=w.limit)
-        return _decode_reservation(reply, cost, used, nonce, plan_name=plan_name)
+        return _decode_reservation(reply, cost, plan, nonce, plan_name=plan_name,
+                                   catalog=self.catalog)
 
     def _caller_plan(self, windows: Sequence[Window] | None, plan_name: str) -> tuple[Window, ...]:
-        if not isinstance(plan_name, str) or (plan_name and not _PLAN_NAME.fullmatch(plan_name)):
+        if plan_name not in self.catalog and plan_name != "" and (
+                not isinstance(plan_name, str) or not _PLAN_NAME.fullmatch(plan_name)):
             raise InvalidArgument(f"plan_name {plan_name!r} must be 1..64 of A-Z a-z 0-9 _ . -")
         if windows is not None:
             return _plan(windows)
@@ -681,7 +678,7 @@ class TokenBudget:
         smallest, tail = self._default_args if plan is self.windows else _plan_args(plan)
         # with entitlements on an override may change the plan: the script checks the plan
         # it uses, and only a cost no plan could admit is refused here
-        if cost > (self._any_plan_smallest if self.entitlements else smallest):
+        if cost > (max(smallest, self._any_plan_smallest) if self.entitlements else smallest):
             w = next(w for w in plan if cost > w.limit)
             raise CostExceedsLimit(
                 f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
@@ -689,9 +686,15 @@ class TokenBudget:
         if not self.entitlements:
             return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail,
                           *self._thresholds]
+        entitled = self._ent_arg.get(plan_name)
+        if entitled is None:
+            if len(self._ent_arg) >= 64:  # plan names come from the catalog or a claim
+                self._ent_arg.clear()
+            low, margin, catalog = self._ent_args
+            entitled = self._ent_arg[plan_name] = (
+                f"{plan_name} {low} {margin} ".encode() + catalog)
         return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail,
-                      self._thresholds[0] if self._thresholds else "", plan_name,
-                      *self._credit_args, self._catalog_arg]
+                      self._threshold_arg, entitled]
 
 
 def new_nonce() -> str:
@@ -782,28 +785,52 @@ def _window(w: Window, used: int, resets_at_ms: int | None) -> WindowUsage:
                        window_s=float(w.seconds), resets_at_ms=resets_at_ms)
 
 
-def _pairs(flat: list[Any]) -> tuple[tuple[str, int], ...]:
-    """[ref, n, ref, n, ...] as ((ref, n), ...)."""
-    return tuple((_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat) - 1, 2))
+def _draw_items(text: str) -> tuple[tuple[str, int], ...]:
+    """``"<ref>=<n> <ref>=<n>"`` as ((ref, n), ...); a reference may hold ``=`` itself."""
+    out = []
+    for item in text.split(" "):
+        ref, _, n = item.rpartition("=")
+        out.append((ref, int(n)))
+    return tuple(out)
 
 
 def _draws_record(record: Any) -> tuple[tuple[str, int], ...]:
     """The draws of a dr record ``"#<epoch> <ref>=<n> ..."`` (none for a missing one)."""
     if not record:
         return ()
-    out = []
-    for item in _text(record).split(" ")[1:]:
-        ref, _, n = item.rpartition("=")
-        out.append((ref, int(n)))
-    return tuple(out)
+    parts = _text(record).split(" ", 1)
+    return _draw_items(parts[1]) if len(parts) > 1 else ()
+
+
+def _credit_crossing(item: str) -> CreditCrossing:
+    """One ``"<kind> <remaining> <tokens> <ref>"`` of the reserve script's ent string."""
+    kind, left, tokens, ref = item.split(" ", 3)
+    return CreditCrossing(ref, kind, int(left), int(tokens))  # type: ignore[arg-type]
 
 
 def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
-                        nonce: str, *, plan_name: str = "") -> Reservation:
-    """A ``Reservation`` from the reply of budget_reserve.lua (see its header)."""
+                        nonce: str, *, plan_name: str = "",
+                        catalog: Mapping[str, tuple[Window, ...]] | None = None) -> Reservation:
+    """A ``Reservation`` from the reply of budget_reserve.lua (see its header).
+
+    ``plan`` is the caller's; with entitlements on, the plan the script names is looked up
+    in ``catalog`` (an override).
+
+    Raises:
+        CostExceedsLimit: the script found the cost above a window of the plan it used.
+    """
     status = int(reply[0])
-    ent = reply[3] if len(reply) > 3 and isinstance(reply[3], list) else None
+    ent = _text(reply[3]) if len(reply) > 3 and isinstance(reply[3], bytes | str) else None
     first = 4 if ent is not None else 3
+    if ent is not None:
+        head, draws, events = ent.split("|")
+        epoch, drawn, credit, susp, plan_name = head.split(" ", 4)
+        plan = (catalog or {}).get(plan_name, plan)
+        if status == _TOO_BIG:
+            w = plan[int(reply[2]) - 1]
+            raise CostExceedsLimit(
+                f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
+                cost=cost, limit=w.limit)
     counted = status in (_REJECTED, _CHARGED, _DUPLICATE)
     states = []
     least, tightest = -1, plan[0]  # when allowed, the window with least room binds
@@ -819,21 +846,18 @@ def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
     crossings = tuple(Crossing(states[int(extra[i]) - 1].window_s, int(extra[i + 1]),
                                states[int(extra[i]) - 1].used, states[int(extra[i]) - 1].limit)
                       for i in range(0, len(extra) - 1, 2))
-    base = Reservation(status in (_CHARGED, _DUPLICATE), max(least, 0), int(reply[1]) / 1000.0,
-                       status == _DUPLICATE, cost, bind.limit, float(bind.seconds),
-                       tuple(states), nonce, crossings, status=_STATUS[status],
-                       plan_name=plan_name)
+    allowed, retry_s = status in (_CHARGED, _DUPLICATE), int(reply[1]) / 1000.0
     if ent is None:
-        return base
-    name, epoch, drawn, credit, susp, draws, events = ent
-    return replace(
-        base, plan_name=_text(name), drawn=int(drawn), draws=_pairs(draws),
-        credit=None if int(credit) < 0 else int(credit), epoch=int(epoch),
-        suspended_until_ms=None if int(susp) < 0 else int(susp),
-        credit_crossings=tuple(
-            CreditCrossing(_text(events[i]), _text(events[i + 1]),  # type: ignore[arg-type]
-                           int(events[i + 2]), int(events[i + 3]))
-            for i in range(0, len(events) - 3, 4)))
+        return Reservation(allowed, max(least, 0), retry_s, status == _DUPLICATE, cost,
+                           bind.limit, float(bind.seconds), tuple(states), nonce, crossings,
+                           _STATUS[status], plan_name)
+    return Reservation(
+        allowed, max(least, 0), retry_s, status == _DUPLICATE, cost, bind.limit,
+        float(bind.seconds), tuple(states), nonce, crossings, _STATUS[status], plan_name,
+        int(drawn), _draw_items(draws) if draws else (),
+        None if credit[0] == "-" else int(credit), int(epoch),
+        None if susp[0] == "-" else int(susp),
+        tuple(_credit_crossing(item) for item in events.split(";")) if events else ())
 
 
 def _decode_usage(reply: list[Any], plan: tuple[Window, ...], *, plan_name: str = "",

@@ -12,32 +12,41 @@ order and the ent epoch they were drawn under. A reference never holds a space o
 ]]
 
 -- ent as {epoch = n or nil, want = n or nil, plan = name or nil, susp = ms or nil,
--- grants = list of grants}; each grant {ref, remaining, expires (0 = never), kind, created,
--- tokens, flags}.
+-- raw = {reference, value, ...}}; grants_of(e) parses the grants (on first use only: a call
+-- that draws nothing never parses them).
 local function load_ent(key)
   local flat = redis.call('HGETALL', key)
-  local e = {grants = {}}
+  local e = {raw = {}}
   for i = 1, #flat, 2 do
     local field, value = flat[i], flat[i + 1]
     if field == 'epoch' then e.epoch = tonumber(value)
     elseif field == 'want' then e.want = tonumber(value)
     elseif field == 'plan' then e.plan = value
     elseif field == 'susp' then e.susp = tonumber(value)
-    else
-      local ref = string.match(field, '^g:(.+)$')
-      if ref then
-        local rem, exp, kind, created, tokens, flags = string.match(
-          value, '^(%d+) (%d+) (%a+) (%d+) (%d+) ?(%a*)$')
-        if rem then
-          e.grants[#e.grants + 1] = {ref = ref, remaining = tonumber(rem),
-                                     expires = tonumber(exp), kind = kind,
-                                     created = tonumber(created), tokens = tonumber(tokens),
-                                     flags = flags}
-        end
-      end
+    elseif string.sub(field, 1, 2) == 'g:' then
+      e.raw[#e.raw + 1] = string.sub(field, 3)
+      e.raw[#e.raw + 1] = value
     end
   end
   return e
+end
+
+-- The grants of ent, each {ref, remaining, expires (0 = never), kind, created, tokens,
+-- flags}, parsed once.
+local function grants_of(e)
+  if e.grants then return e.grants end
+  e.grants = {}
+  for i = 1, #e.raw, 2 do
+    local rem, exp, kind, created, tokens, flags = string.match(
+      e.raw[i + 1], '^(%d+) (%d+) (%a+) (%d+) (%d+) ?(%a*)$')
+    if rem then
+      e.grants[#e.grants + 1] = {ref = e.raw[i], remaining = tonumber(rem),
+                                 expires = tonumber(exp), kind = kind,
+                                 created = tonumber(created), tokens = tonumber(tokens),
+                                 flags = flags}
+    end
+  end
+  return e.grants
 end
 
 -- The ent field value of a grant.
@@ -66,7 +75,7 @@ end
 -- The live grants of ent at `now`, in draw order, and their credit (sum of remaining).
 local function live_grants(e, now)
   local live, credit = {}, 0
-  for _, g in ipairs(e.grants) do
+  for _, g in ipairs(grants_of(e)) do
     if is_live(g, now) then
       live[#live + 1] = g
       credit = credit + g.remaining

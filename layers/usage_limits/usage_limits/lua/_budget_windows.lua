@@ -161,12 +161,13 @@ local function advance(m, now, wanted)
         -- events in (lo, b] have left the window since the last call: subtract each once
         local gone = leaving(s, b)
         s.total = s.total - sum_costs(gone)
-        if s.drawn > 0 then s.drawn = math.max(0, s.drawn - sum_drawn(gone)) end
+        local drew = s.drawn > 0  -- else no event this window counts drew: none has a dr record
+        if drew then s.drawn = math.max(0, s.drawn - sum_drawn(gone)) end
         if w == longest and #gone > 0 then
           -- they have left every window (each cursor is past them): delete them
           for start = 1, #gone, BATCH do
             redis.call('HDEL', ev_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
-            if dr_key then
+            if drew then
               redis.call('HDEL', dr_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
             end
           end

@@ -37,7 +37,7 @@ elseif current.want and epoch < current.want then
 end
 
 local kept = {}
-for _, g in ipairs(current.grants) do kept[g.ref] = g end
+for _, g in ipairs(grants_of(current)) do kept[g.ref] = g end
 local fields = {'epoch', string.format('%d', epoch)}
 if plan ~= '' then
   fields[#fields + 1] = 'plan'

@@ -86,7 +86,7 @@ if dr_key then
     local ent = load_ent(ent_key)
     epoch = ent.epoch or 0
     local grants = {}
-    for _, g in ipairs(ent.grants) do grants[g.ref] = g end
+    for _, g in ipairs(grants_of(ent)) do grants[g.ref] = g end
     local left, fields = delta, {}
     for k = #list, 1, -1 do
       if left == 0 then break end

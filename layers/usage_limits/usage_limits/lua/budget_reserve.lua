@@ -29,13 +29,15 @@ ARGV[8]  thresholds  optional: usage thresholds, "80,100/5" (percents of a windo
 With entitlements on (KEYS[4] and KEYS[5] given; _budget_grants.lua describes them):
 KEYS[4]  ent         hash: epoch, want, plan, susp, g:<reference> (the user's entitlements)
 KEYS[5]  dr          hash: request id -> "#<epoch> <ref>=<n> ..." (draws of each charge)
-ARGV[9]  plan_name   the caller's plan (JWT claim or default), used unless ent.plan names a
-                     plan of the catalog
-ARGV[10] low         credit "low" threshold, percent of a grant's tokens (integer 0..100)
-ARGV[11] low_margin  percentage points above `low` a grant must get back before its low and
-                     exhausted reports are re-armed (integer >= 0)
-ARGV[12] catalog     the deployment's plans, "<name>=<plan>;<name>=<plan>", each <plan> as
-                     ARGV[7]; may be empty
+ARGV[9]  entitled    "<plan_name> <low> <low_margin> <catalog>" in one argument (the client
+                     encodes it once per plan name):
+                     plan_name   the caller's plan (JWT claim or default; may be empty),
+                                 used unless ent.plan names a plan of the catalog
+                     low         credit "low" threshold, percent of a grant's tokens (0..100)
+                     low_margin  percentage points above `low` a grant must get back before
+                                 its low and exhausted reports are re-armed (integer >= 0)
+                     catalog     the deployment's plans, "<name>=<plan>;<name>=<plan>", each
+                                 <plan> as ARGV[7]; may be empty
 The plan's longest window is the quota Q; meta keeps d:<W>, tokens drawn from grants by the
 events window W counts, and the quota's used is t:<Q> - d:<Q>. A charge that fits every
 shorter window (full cost) but needs need = used + cost - Q > 0 tokens over the quota draws
@@ -60,10 +62,13 @@ Returns {status, retry_after_ms, binding, then per plan window: used, resets_at_
   used            tokens in the window after this call
   resets_at_ms    when the oldest counted event leaves the window, ms; -1 when it is empty
 then, when this call charged and crossed thresholds, per crossing: window position, percent
-  ent             {plan used, epoch (0 = not loaded; of the draws for a re-send), drawn,
-                   credit (live credit after the call; -1 = not read: no draw, no reject),
-                   suspended until (ms, 0 = until lifted; -1 = not suspended),
-                   {draws: ref, n, ...}, {credit crossings: ref, kind, remaining, tokens, ...}}
+  ent             one string (one reply element costs the client less than a nested one):
+                  "<epoch> <drawn> <credit> <susp> <plan used>|<draws>|<credit crossings>"
+                  epoch   0 = not loaded; for a re-send, the epoch its draws were made under
+                  credit  live credit after the call; -1 = not read (no draw, no reject)
+                  susp    suspended until, ms (0 = until lifted); -1 = not suspended
+                  draws   "<ref>=<n> <ref>=<n>" in draw order (may be empty)
+                  credit crossings  "<kind> <remaining> <tokens> <ref>;..." kind low|exhausted
 A re-send reports the draws its first run made (from dr) and draws nothing more.
 ]]
 local log_key = KEYS[1]
@@ -81,10 +86,9 @@ local margin_ms = tonumber(ARGV[6])
 local plan = ARGV[7]
 local call_windows, limits = {}, {}
 local threshold_spec = ARGV[8] or ''
-local plan_name = ARGV[9] or ''
-local low = tonumber(ARGV[10] or '0')
-local low_margin = tonumber(ARGV[11] or '0')
-local catalog = ARGV[12] or ''
+local plan_name, low, low_margin, catalog = string.match(ARGV[9] or '',
+                                                        '^(%S*) (%d+) (%d+) ?(.*)$')
+low, low_margin = tonumber(low or '0'), tonumber(low_margin or '0')
 local function parse_plan(text)
   call_windows, limits = {}, {}
   for w, limit in string.gmatch(text, '(%d+):(%d+)') do
@@ -159,15 +163,21 @@ local credit_events = {}
 local susp_out = -1
 
 local function ent_block()
-  local flat_draws, flat_events = {}, {}
-  for _, d in ipairs(draws) do
-    flat_draws[#flat_draws + 1] = d[1]
-    flat_draws[#flat_draws + 1] = d[2]
+  local out = string.format('%d %d %d %d %s|', draw_epoch, drawn, credit, susp_out, plan_name)
+  if #draws > 0 then
+    local items = {}
+    for i, d in ipairs(draws) do items[i] = d[1] .. '=' .. string.format('%d', d[2]) end
+    out = out .. table.concat(items, ' ')
   end
-  for _, e in ipairs(credit_events) do
-    for _, v in ipairs(e) do flat_events[#flat_events + 1] = v end
+  out = out .. '|'
+  if #credit_events > 0 then
+    local items = {}
+    for i, e in ipairs(credit_events) do
+      items[i] = string.format('%s %d %d %s', e[2], e[3], e[4], e[1])
+    end
+    out = out .. table.concat(items, ';')
   end
-  return {plan_name, draw_epoch, drawn, credit, susp_out, flat_draws, flat_events}
+  return out
 end
 
 if dr_key then
@@ -310,7 +320,7 @@ end
 save_meta(m, now, longest)
 local rec = redis.call('HGET', ev_key, request_id)
 local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
-draws, drawn = {}, 0
+draws, drawn, credit = {}, 0, -1
 if ent and same_call then
   -- a re-send: report the draws its first run made, nothing drawn now
   local epoch, list = parse_draws(redis.call('HGET', dr_key, request_id))
@@ -321,5 +331,4 @@ if ent and same_call then
     credit = avail
   end
 end
-if ent and not same_call then credit = -1 end
 return reply(same_call and 1 or 2, 0, 0)

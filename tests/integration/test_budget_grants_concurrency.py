@@ -1,0 +1,105 @@
+"""Eight OS processes drawing from one user's small grant never overdraw it."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import random
+from typing import Any
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+
+from usage_limits import TokenBudget, Window
+from usage_limits.budget import LiveGrant
+
+#: (limit, seconds): a wide burst window and a 20-token quota that a first charge fills.
+PLAN = [(1000, 600.0), (20, 3600.0)]
+PROCESSES = 8
+MAX_COST = 5
+GRANT = 60
+
+
+def _budget(client: Any) -> TokenBudget:
+    return TokenBudget(client, [Window(limit, seconds) for limit, seconds in PLAN],
+                       entitlements=True)
+
+
+def _client(target: tuple[str, list[tuple[str, int]]]) -> Any:
+    import redis.asyncio as aioredis
+    from redis.asyncio.cluster import ClusterNode
+
+    kind, nodes = target
+    if kind == "cluster":
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+                            socket_timeout=5.0)
+    return aioredis.Redis(host=nodes[0][0], port=nodes[0][1], socket_timeout=5.0)
+
+
+async def _draw_until_empty(target: tuple[str, list[tuple[str, int]]], user: str, seed: int,
+                            start: Any) -> list[tuple[str, int, int]]:
+    """Reserve random costs until the grant has no credit left; (id, cost, drawn) admitted."""
+    client = _client(target)
+    budget = _budget(client)
+    rng = random.Random(seed)
+    admitted = []
+    try:
+        await client.ping()
+        start.wait()  # every process connected: start together
+        for i in range(200):
+            rid, cost = f"p{seed}-{i}", rng.randint(1, MAX_COST)
+            d = await budget.reserve(user, rid, cost)
+            if d.allowed:
+                admitted.append((rid, cost, d.drawn))
+            elif d.credit == 0:
+                break
+    finally:
+        await client.aclose()
+    return admitted
+
+
+def _worker(target: tuple[str, list[tuple[str, int]]], user: str, seed: int, start: Any,
+            out: Any) -> None:
+    try:
+        out.put((seed, asyncio.run(_draw_until_empty(target, user, seed, start))))
+    except BaseException as exc:  # report, so the test fails instead of waiting
+        out.put((seed, repr(exc)))
+
+
+@pytest.mark.slow
+async def test_processes_never_overdraw_a_shared_grant(redis_client, request, uid) -> None:  # type: ignore[no-untyped-def]
+    """Eight processes drawing from one 60-token grant draw exactly what it had, never more,
+    and every admitted charge drew its whole cost (the quota was full)."""
+    if isinstance(redis_client, RedisCluster):
+        target = ("cluster", request.getfixturevalue("redis_cluster").startup_nodes)
+    else:
+        target = ("standalone", [("127.0.0.1", request.getfixturevalue("redis_server").port)])
+    budget = _budget(redis_client)
+    assert await budget.load_entitlements(uid, epoch=1, plan=None, suspended_until_ms=None,
+                                          grants=[LiveGrant("small", GRANT, GRANT, None, "paid")])
+    assert (await budget.reserve(uid, "fill", 20)).drawn == 0  # the quota is now full
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(PROCESSES), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(target, uid, seed, start, out))
+             for seed in range(PROCESSES)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    failures = {seed: r for seed, r in results.items() if isinstance(r, str)}
+    assert not failures
+    admitted = [item for r in results.values() for item in r]
+    assert all(cost == drawn for _, cost, drawn in admitted)
+    drawn = sum(n for _, _, n in admitted)
+    usage = await budget.usage(uid, events=1000)
+    left = sum(g.remaining for g in usage.grants)
+    assert drawn + left == GRANT and GRANT - MAX_COST < drawn <= GRANT
+    assert sum(1 for r in results.values() if r) > 1  # the processes really interleaved
+    recorded = {e.request_id: e.draws for e in usage.events}
+    assert all(recorded[rid] == (("small", n),) for rid, _, n in admitted)
+    assert [w.used for w in usage.windows] == [20 + drawn, 20]

@@ -11,15 +11,24 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import boto3
 import pytest
 from moto import mock_aws
 
+from usage_limits import budget
+from usage_limits.budget import CreditCrossing
 from usage_limits.exceptions import InvalidArgument
 from usage_limits.web import events
 from usage_limits.web import observability as obs
+from usage_limits.web.settings import (
+    ATTO_CREDIT_LOW_PERCENT,
+    DEFAULT_CREDIT_LOW_PERCENT,
+    WebSettings,
+    settings,
+)
 
 BUS = "atto-test-usage"
 
@@ -78,9 +87,9 @@ async def test_every_kind_of_event_reaches_the_bus(aws: None) -> None:
     """Each event arrives once, with its detail-type, source and fields."""
     bus = Bus()
     publisher = events.EventPublisher(events.EventSettings(bus=BUS))
-    sent = [THRESHOLD,
-            events.CreditLow(user="u-1", plan="free", threshold=20, remaining=150, granted=1000),
-            events.CreditExhausted(user="u-1", plan="free", granted=1000)]
+    sent = [THRESHOLD, *events.credit_events("u-1", "free", [
+        CreditCrossing("inv-7", "low", 150, 1000), CreditCrossing("inv-7", "exhausted", 0, 1000)],
+        low_percent=20)]
     assert await publisher.publish(sent) is True
     got = bus.received()
     assert [(e["source"], e["detail-type"]) for e in got] == [
@@ -88,7 +97,12 @@ async def test_every_kind_of_event_reaches_the_bus(aws: None) -> None:
         (events.SOURCE, events.CREDIT_EXHAUSTED)]
     assert got[0]["detail"] == {"user": "u-1", "plan": "free", "window_s": 3600,
                                 "threshold": 80, "used": 85, "limit": 100}
-    assert got[2]["detail"] == {"user": "u-1", "plan": "free", "granted": 1000}
+    assert got[1]["detail"] == {"user": "u-1", "plan": "free", "reference": "inv-7",
+                                "grant_kind": None, "remaining": 150, "tokens": 1000,
+                                "low_percent": 20}
+    assert got[2]["detail"] == {"user": "u-1", "plan": "free", "reference": "inv-7",
+                                "grant_kind": None, "remaining": 0, "tokens": 1000,
+                                "low_percent": 20}
     assert _failed_count() == 0
 
 
@@ -172,6 +186,58 @@ async def test_publish_soon_runs_alongside_and_drain_waits_for_it(
     events.publisher.cache_clear()
 
 
+@dataclass(frozen=True)
+class Crossing:
+    """Any object with a grant crossing's four attributes (not the ledger's own class)."""
+
+    reference: str
+    kind: str
+    remaining: int
+    tokens: int
+
+
+def test_credit_events_are_one_entry_per_crossing_with_the_grants_fields() -> None:
+    """Each low or exhausted crossing becomes one entry of its detail-type, in order."""
+    crossings = [Crossing("promo:welcome", "low", 2, 10), Crossing("inv-9", "low", 40, 200),
+                 Crossing("promo:welcome", "exhausted", 0, 10)]
+    made = events.credit_events("u-3", "pro", crossings, low_percent=25,
+                                grant_kinds={"promo:welcome": "promo"})
+    assert made == [
+        events.CreditLow("u-3", "pro", "promo:welcome", "promo", 2, 10, 25),
+        events.CreditLow("u-3", "pro", "inv-9", None, 40, 200, 25),
+        events.CreditExhausted("u-3", "pro", "promo:welcome", "promo", 0, 10, 25)]
+    entries = [events.entry(e, BUS) for e in made]
+    assert [(e["Source"], e["DetailType"], e["EventBusName"]) for e in entries] == [
+        (events.SOURCE, events.CREDIT_LOW, BUS), (events.SOURCE, events.CREDIT_LOW, BUS),
+        (events.SOURCE, events.CREDIT_EXHAUSTED, BUS)]
+    assert json.loads(entries[2]["Detail"]) == {
+        "user": "u-3", "plan": "pro", "reference": "promo:welcome", "grant_kind": "promo",
+        "remaining": 0, "tokens": 10, "low_percent": 25}
+    assert events.credit_events("u-3", "pro", []) == []
+
+
+def test_an_unknown_crossing_kind_is_left_out_not_raised() -> None:
+    """A crossing that is neither low nor exhausted makes no event and no error."""
+    made = events.credit_events("u-4", "free", [Crossing("g", "refilled", 5, 10),
+                                                Crossing("g", "exhausted", 0, 10)],
+                                low_percent=20)
+    assert [type(e) for e in made] == [events.CreditExhausted]
+
+
+def test_credit_events_name_the_configured_low_percent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an explicit percent, the event carries ``ATTO_CREDIT_LOW_PERCENT``."""
+    monkeypatch.setenv(ATTO_CREDIT_LOW_PERCENT, "35")
+    settings.cache_clear()
+    try:
+        (low,) = events.credit_events("u-5", "free", [CreditCrossing("g", "low", 3, 10)])
+    finally:
+        monkeypatch.delenv(ATTO_CREDIT_LOW_PERCENT)
+        settings.cache_clear()
+    assert low.low_percent == 35
+    (low,) = events.credit_events("u-5", "free", [CreditCrossing("g", "low", 2, 10)])
+    assert low.low_percent == DEFAULT_CREDIT_LOW_PERCENT == 20
+
+
 def test_settings_read_the_bus_and_a_positive_bound() -> None:
     """The bus and the bound come from the environment; a bad bound is a clear error."""
     assert events.EventSettings.from_env({}) == events.EventSettings(None, 1.0)
@@ -198,3 +264,15 @@ def test_the_web_layer_imports_no_aws_sdk_until_an_event_is_published() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, cwd=root, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_credit_low_percent_is_read_once_and_checked() -> None:
+    """``ATTO_CREDIT_LOW_PERCENT`` defaults to 20, takes 1..99, and names itself when bad."""
+    read = WebSettings.from_env
+    assert read({}).credit_low_percent == DEFAULT_CREDIT_LOW_PERCENT == 20
+    assert DEFAULT_CREDIT_LOW_PERCENT == budget.DEFAULT_CREDIT_LOW_PERCENT  # the ledger's
+    assert read({ATTO_CREDIT_LOW_PERCENT: " 1 "}).credit_low_percent == 1
+    assert read({ATTO_CREDIT_LOW_PERCENT: "99"}).credit_low_percent == 99
+    for bad in ("0", "100", "-5", "12.5", "low"):
+        with pytest.raises(InvalidArgument, match=ATTO_CREDIT_LOW_PERCENT):
+            read({ATTO_CREDIT_LOW_PERCENT: bad})

@@ -3,8 +3,8 @@
 The emitted set is derived from the code, not kept by hand: the metric-name constants and
 dimension sets declared in ``usage_limits/web/observability.py``, and the calls
 ``obs.count(...)``/``obs.provider_count(...)`` found in the layers' and functions' source
-(a declared metric that nothing counts is not emitted). Metrics of the ``AWS/Lambda``
-namespace are the platform's own.
+(a declared metric that nothing counts is not emitted), and the few request metrics
+``COUNTED_BY_GUARD`` names. Metrics of the ``AWS/Lambda`` namespace are the platform's own.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ SOURCES = [*sorted((ROOT / "layers").rglob("*.py")), *sorted((ROOT / "functions"
 SUB_SAMPLES = {"Stage": "dev", "AWS::Region": "us-east-1"}
 #: The platform's metrics an alarm may watch, with their dimension names.
 PLATFORM_METRICS = {("AWS/Lambda", "Duration"): frozenset({"FunctionName"})}
+#: Request metrics counted by the metered routes' guard from a reservation's fields, which
+#: the call-site scan below may not find: ``CreditDrawn`` is ``reservation.drawn``, counted
+#: once a reservation that drew credit has its draws recorded.
+COUNTED_BY_GUARD = frozenset({obs.CREDIT_DRAWN})
 _SEARCH = re.compile(r"SEARCH\('\{(?P<schema>[^}]*)\}\s+MetricName=\"(?P<name>\w+)\""
                      r"(?P<filters>[^']*)'")
 _FILTER = re.compile(r'(\w+)="([^"]*)"')
@@ -54,6 +58,8 @@ def _emitting_calls() -> dict[str, str]:
     # request_done() counts requests and their 4xx/5xx answers: emitted when it is called.
     middleware = (ROOT / "layers/usage_limits/usage_limits/web/middleware.py").read_text()
     assert "obs.request_done(" in middleware
+    for name in COUNTED_BY_GUARD:
+        assert found.setdefault(name, "count") == "count", name
     return found
 
 
@@ -307,3 +313,35 @@ def test_threshold_parameters_are_valid_settings(template: dict[str, Any]) -> No
     pattern = re.compile(params["UsageThresholds"]["AllowedPattern"])
     assert pattern.fullmatch("none") and pattern.fullmatch("50,90,100")
     assert not pattern.fullmatch("80, 100")
+
+
+def test_the_dashboard_shows_credit_drawn_in_all_and_by_route(template: dict[str, Any]) -> None:
+    """One widget shows CreditDrawn for the stage and per route, as the guard counts it."""
+    body, _ = _dashboard(template)
+    shown = [(m[2], m[3]) for w in body["widgets"] for m in _widget_metrics(w)
+             if m[1] == obs.CREDIT_DRAWN]
+    assert sorted(shown, key=lambda m: len(m[0])) == [
+        ({obs.ENV: "dev"}, True),
+        ({obs.ENV: "dev", obs.ROUTE: None, obs.SERVICE_DIMENSION: None}, False)]
+    assert obs.CREDIT_DRAWN in obs.REQUEST_METRICS and obs.CREDIT_DRAWN in _emitted()
+
+
+def test_credit_low_parameter_reaches_the_functions_as_a_valid_setting(
+        template: dict[str, Any]) -> None:
+    """``CreditLowPercent`` sets ``ATTO_CREDIT_LOW_PERCENT``; its default and bounds are the
+    setting's."""
+    from usage_limits.budget import DEFAULT_CREDIT_LOW_PERCENT
+    from usage_limits.exceptions import InvalidArgument
+    from usage_limits.web.settings import ATTO_CREDIT_LOW_PERCENT, WebSettings
+
+    variables = template["Globals"]["Function"]["Environment"]["Variables"]
+    assert variables[ATTO_CREDIT_LOW_PERCENT] == {"Ref": "CreditLowPercent"}
+    param = template["Parameters"]["CreditLowPercent"]
+    assert param["Type"] == "Number"
+    default = WebSettings.from_env({ATTO_CREDIT_LOW_PERCENT: str(param["Default"])})
+    assert default.credit_low_percent == DEFAULT_CREDIT_LOW_PERCENT == 20
+    for value in (param["MinValue"], param["MaxValue"]):
+        assert WebSettings.from_env({ATTO_CREDIT_LOW_PERCENT: str(value)}).credit_low_percent
+    for value in (param["MinValue"] - 1, param["MaxValue"] + 1):
+        with pytest.raises(InvalidArgument, match=ATTO_CREDIT_LOW_PERCENT):
+            WebSettings.from_env({ATTO_CREDIT_LOW_PERCENT: str(value)})

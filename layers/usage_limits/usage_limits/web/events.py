@@ -4,8 +4,15 @@ Three detail-types, all with source ``atto.cloud``:
 
 - ``Atto Usage Threshold``: a charge took a user across a threshold of a window
   (``user``, ``plan``, ``window_s``, ``threshold`` in percent, ``used``, ``limit``);
-- ``Atto Credit Low``: what is left of a user's credit grants fell below a share of them;
-- ``Atto Credit Exhausted``: nothing is left of them.
+- ``Atto Credit Low``: a charge took one of a user's credit grants to ``low_percent`` of
+  its tokens or below (``user``, ``plan``, ``reference``, ``grant_kind``, ``remaining``,
+  ``tokens``, ``low_percent``);
+- ``Atto Credit Exhausted``: a charge used up one of a user's credit grants (same fields,
+  ``remaining`` 0).
+
+The reservation script reports each crossing once per grant (``Reservation.crossings`` and
+``Reservation.credit_crossings``); ``threshold_events`` and ``credit_events`` turn them into
+events.
 
 Publishing never fails a request and never holds it longer than ``timeout_s``: the
 PutEvents call runs in a worker thread with botocore timeouts of the same length and no
@@ -29,11 +36,12 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import snapstart
 from ..exceptions import InvalidArgument
 from . import observability as obs
+from .settings import settings
 
 if TYPE_CHECKING:
     from ..budget import Crossing
@@ -106,42 +114,82 @@ class UsageThreshold:
     detail_type = USAGE_THRESHOLD
 
 
-@dataclass(frozen=True)
-class CreditLow:
-    """What is left of ``user``'s credit grants fell below ``threshold`` percent of them.
+class GrantCrossing(Protocol):
+    """What a reservation reports about one grant it drew (``budget.CreditCrossing``).
 
     Attributes:
-        user: the user's id.
-        plan: the name of the user's plan.
-        threshold: the share crossed, in percent of ``granted``.
-        remaining: tokens left in the user's grants.
-        granted: tokens of those grants in all.
+        reference: the grant's reference.
+        kind: ``low`` or ``exhausted``.
+        remaining: tokens left in the grant after the charge.
+        tokens: the grant's amount.
+    """
+
+    @property
+    def reference(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def remaining(self) -> int: ...
+
+    @property
+    def tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class CreditLow:
+    """A charge took one grant of ``user`` to ``low_percent`` of its tokens or below.
+
+    Attributes:
+        user: the user's id (the JWT ``sub``).
+        plan: the name of the plan the charge was made under.
+        reference: the grant's reference (as the operator created it).
+        grant_kind: ``promo`` or ``paid`` when the caller knew it, else None.
+        remaining: tokens left in the grant after the charge.
+        tokens: the grant's amount.
+        low_percent: the share of ``tokens`` that counts as low (``ATTO_CREDIT_LOW_PERCENT``).
     """
 
     user: str
     plan: str
-    threshold: int
+    reference: str
+    grant_kind: str | None
     remaining: int
-    granted: int
+    tokens: int
+    low_percent: int
 
     detail_type = CREDIT_LOW
 
 
 @dataclass(frozen=True)
 class CreditExhausted:
-    """Nothing is left of ``user``'s credit grants.
+    """A charge used up one grant of ``user`` (nothing left of it).
 
     Attributes:
         user: the user's id.
-        plan: the name of the user's plan.
-        granted: tokens of the grants that ran out.
+        plan: the name of the plan the charge was made under.
+        reference: the grant's reference.
+        grant_kind: ``promo`` or ``paid`` when the caller knew it, else None.
+        remaining: tokens left in the grant (0).
+        tokens: the grant's amount.
+        low_percent: the share of ``tokens`` that counts as low.
     """
 
     user: str
     plan: str
-    granted: int
+    reference: str
+    grant_kind: str | None
+    remaining: int
+    tokens: int
+    low_percent: int
 
     detail_type = CREDIT_EXHAUSTED
+
+
+#: The event of each kind of grant crossing.
+_CREDIT_EVENTS: dict[str, type[CreditLow] | type[CreditExhausted]] = {
+    "low": CreditLow, "exhausted": CreditExhausted}
 
 
 Event = UsageThreshold | CreditLow | CreditExhausted
@@ -153,6 +201,40 @@ def threshold_events(user: str, plan: str,
     return [UsageThreshold(user=user, plan=plan, window_s=round(c.window_s),
                            threshold=c.threshold, used=c.used, limit=c.limit)
             for c in crossings]
+
+
+def credit_events(user_id: str, plan_name: str, crossings: Sequence[GrantCrossing], *,
+                  low_percent: int | None = None,
+                  grant_kinds: Mapping[str, str] | None = None,
+                  ) -> list[CreditLow | CreditExhausted]:
+    """One ``CreditLow`` or ``CreditExhausted`` per grant crossing a reservation reported.
+
+    Args:
+        user_id: the user's id (as ``threshold_events`` names them).
+        plan_name: the plan the charge was made under.
+        crossings: ``Reservation.credit_crossings``, in the order the script reported them.
+        low_percent: the low share the ledger used (default: the web settings'
+            ``credit_low_percent``, the value the environment's ledgers are made with).
+        grant_kinds: reference -> ``promo``/``paid``, for callers that know the grants;
+            a grant not in it (or none given) has ``grant_kind`` None.
+
+    Returns:
+        The events, in the order of ``crossings``. A crossing of a kind other than
+        ``low`` or ``exhausted`` is logged and left out, never raised: the charge it
+        describes is already made.
+    """
+    percent = settings().credit_low_percent if low_percent is None else low_percent
+    kinds = grant_kinds or {}
+    out: list[CreditLow | CreditExhausted] = []
+    for c in crossings:
+        made = _CREDIT_EVENTS.get(c.kind)
+        if made is None:
+            obs.logger().warning("unknown credit crossing left out", extra={"kind": c.kind})
+            continue
+        out.append(made(user=user_id, plan=plan_name, reference=c.reference,
+                        grant_kind=kinds.get(c.reference), remaining=c.remaining,
+                        tokens=c.tokens, low_percent=percent))
+    return out
 
 
 def entry(event: Event, bus: str) -> dict[str, str]:

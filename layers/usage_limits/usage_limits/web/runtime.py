@@ -77,7 +77,8 @@ def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
                    for name, p in conf.plans.by_name.items()}
     budget = _budgets[windows] = TokenBudget(
         client, windows=[Window(limit=limit, seconds=seconds) for limit, seconds in windows],
-        thresholds=configured(), catalog=catalog, entitlements=conf.entitlements)
+        thresholds=configured(), catalog=catalog, entitlements=conf.entitlements,
+        credit_low_percent=conf.credit_low_percent)
     return budget
 
 

@@ -23,11 +23,33 @@ ATTO_PLAN_CLAIM = "ATTO_PLAN_CLAIM"    # the JWT claim naming the plan (custom:p
 ATTO_MAX_BODY_BYTES = "ATTO_MAX_BODY_BYTES"
 ATTO_DEADLINE_MARGIN_S = "ATTO_DEADLINE_MARGIN_S"
 ATTO_REQUEST_TIMEOUT_S = "ATTO_REQUEST_TIMEOUT_S"  # outside Lambda: the function timeout to assume
+# a grant is "low" (one Atto Credit Low event) at this share of its tokens or below
+ATTO_CREDIT_LOW_PERCENT = "ATTO_CREDIT_LOW_PERCENT"
 
 DEFAULT_BUDGET = "100/1h,1000/30d"
 DEFAULT_MAX_BODY_BYTES = 256 * 1024
 DEFAULT_DEADLINE_MARGIN_S = 0.5
 DEFAULT_REQUEST_TIMEOUT_S = 29.0
+DEFAULT_CREDIT_LOW_PERCENT = 20  # the ledger's default (budget.DEFAULT_CREDIT_LOW_PERCENT)
+
+
+def parse_credit_low_percent(text: str) -> int:
+    """Parse ``ATTO_CREDIT_LOW_PERCENT``: an integer percent 1..99 ('' for the default, 20).
+
+    Raises:
+        InvalidArgument: the text is not an integer from 1 to 99.
+    """
+    text = text.strip()
+    if not text:
+        return DEFAULT_CREDIT_LOW_PERCENT
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidArgument(f"{ATTO_CREDIT_LOW_PERCENT}: {text!r} is not an integer "
+                              "percent (1..99)") from None
+    if not 1 <= value <= 99:
+        raise InvalidArgument(f"{ATTO_CREDIT_LOW_PERCENT} must be 1..99, got {text!r}")
+    return value
 
 
 def parse_plan(text: str) -> tuple[tuple[int, int], ...]:
@@ -71,6 +93,8 @@ class WebSettings:
             serving); in Lambda the context's remaining time is used.
         entitlements: True when ``ATTO_ENTITLEMENTS_TABLE`` names the entitlements table:
             the request path then applies plan overrides, grants and suspensions.
+        credit_low_percent: a grant whose remaining falls to this share of its tokens or
+            below is reported once as low (1..99); the ledgers are made with it.
     """
 
     local: bool = False
@@ -81,6 +105,7 @@ class WebSettings:
     deadline_margin_s: float = DEFAULT_DEADLINE_MARGIN_S
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     entitlements: bool = False
+    credit_low_percent: int = DEFAULT_CREDIT_LOW_PERCENT
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WebSettings:
@@ -100,6 +125,7 @@ class WebSettings:
             raise InvalidArgument(f"{ATTO_MAX_BODY_BYTES} and {ATTO_REQUEST_TIMEOUT_S} must be "
                                   f"> 0 and {ATTO_DEADLINE_MARGIN_S} >= 0")
         plans = parse_plans(env)
+        credit_low = parse_credit_low_percent(env.get(ATTO_CREDIT_LOW_PERCENT, ""))
         return cls(
             local=env.get(ATTO_ENV, "").strip().lower() == "local",
             plan=plans.default_plan.windows,
@@ -109,6 +135,7 @@ class WebSettings:
             deadline_margin_s=margin,
             request_timeout_s=timeout,
             entitlements=bool(env.get(ENTITLEMENTS_TABLE_ENV, "").strip()),
+            credit_low_percent=credit_low,
         )
 
 

@@ -38,7 +38,7 @@ elseif current.want and epoch < current.want then
 end
 
 local kept = {}
-for _, g in ipairs(G.grants_of(current)) do kept[g.ref] = g end
+for _, g in ipairs(G.more().grants_of(current)) do kept[g.ref] = g end
 local fields = {'epoch', string.format('%d', epoch)}
 if plan ~= '' then
   fields[#fields + 1] = 'plan'
@@ -57,7 +57,7 @@ for line in string.gmatch(grants, '[^\n]+') do
     local old = kept[ref]
     if old and old.remaining == g.remaining and old.tokens == g.tokens then g.flags = old.flags end
     fields[#fields + 1] = 'g:' .. ref
-    fields[#fields + 1] = G.grant_value(g)
+    fields[#fields + 1] = G.more().grant_value(g)
   end
 end
 redis.call('DEL', ent_key)

@@ -161,7 +161,7 @@ local credit_events = nil  -- (entitlements on) credit crossings of this charge
 local susp_out = -1
 
 -- Entitlements only (nil when off: a closure or a table costs Redis time on every call).
-local ent_block, charged_by_this_call, apply_draws = nil, nil, nil
+local ent_block, charged_by_this_call = nil, nil
 if dr_key then
 draws, credit_events = {}, {}
 
@@ -260,7 +260,7 @@ for i, w in ipairs(call_windows) do
     local need = s.total - (s.drawn or 0) + cost - limits[i]
     if need > 0 then
       local want = math.min(need, cost)
-      local live, avail = G.live_grants(ent, now)
+      local live, avail = G.more().live_grants(ent, now)
       credit = avail
       if avail < want then
         fits, quota_short = false, true
@@ -281,42 +281,40 @@ for i, w in ipairs(call_windows) do
   end
 end
 if ent and not fits and credit < 0 then
-  local _, avail = G.live_grants(ent, now)
+  local _, avail = G.more().live_grants(ent, now)
   credit = avail
 end
-
--- The draws become real: remaining, credit crossings, the dr record, d:<W> of every window.
-if dr_key then apply_draws = function()
-  local fields = {}
-  for _, d in ipairs(draws) do
-    local g, n = d[3], d[2]
-    local before = g.remaining
-    g.remaining = before - n
-    if not string.find(g.flags, 'l', 1, true) and before * 100 > low * g.tokens
-        and g.remaining * 100 <= low * g.tokens then
-      g.flags = g.flags .. 'l'
-      credit_events[#credit_events + 1] = {g.ref, 'low', g.remaining, g.tokens}
-    end
-    if g.remaining == 0 and not string.find(g.flags, 'x', 1, true) then
-      g.flags = g.flags .. 'x'
-      credit_events[#credit_events + 1] = {g.ref, 'exhausted', 0, g.tokens}
-    end
-    fields[#fields + 1] = 'g:' .. g.ref
-    fields[#fields + 1] = G.grant_value(g)
-    d[3] = nil
-  end
-  redis.call('HSET', ent_key, unpack(fields))
-  redis.call('HSET', dr_key, request_id, G.encode_draws(ent.epoch, draws))
-  redis.call('PEXPIRE', dr_key, int(longest + margin_ms + math.min(longest, 3600000)))
-  credit = credit - drawn
-  for _, s in pairs(m.windows) do s.drawn = (s.drawn or 0) + drawn end
-end end
 
 if fits then
   -- NX: an id already in the log keeps its charge (a duplicate, answered below)
   if redis.call('ZADD', log_key, 'NX', int(now), request_id) == 1 then
     redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
-    if drawn > 0 then apply_draws() end
+    if drawn > 0 then
+      -- the draws become real: remaining, credit crossings, the dr record, every d:<W>
+      local fields = {}
+      for _, d in ipairs(draws) do
+        local g, n = d[3], d[2]
+        local before = g.remaining
+        g.remaining = before - n
+        if not string.find(g.flags, 'l', 1, true) and before * 100 > low * g.tokens
+            and g.remaining * 100 <= low * g.tokens then
+          g.flags = g.flags .. 'l'
+          credit_events[#credit_events + 1] = {g.ref, 'low', g.remaining, g.tokens}
+        end
+        if g.remaining == 0 and not string.find(g.flags, 'x', 1, true) then
+          g.flags = g.flags .. 'x'
+          credit_events[#credit_events + 1] = {g.ref, 'exhausted', 0, g.tokens}
+        end
+        fields[#fields + 1] = 'g:' .. g.ref
+        fields[#fields + 1] = G.more().grant_value(g)
+        d[3] = nil
+      end
+      redis.call('HSET', ent_key, unpack(fields))
+      redis.call('HSET', dr_key, request_id, G.more().encode_draws(ent.epoch, draws))
+      redis.call('PEXPIRE', dr_key, int(longest + margin_ms + math.min(longest, 3600000)))
+      credit = credit - drawn
+      for _, s in pairs(m.windows) do s.drawn = (s.drawn or 0) + drawn end
+    end
     for _, s in pairs(m.windows) do
       s.total = s.total + cost
       if s.first == NONE then s.first = now end
@@ -349,11 +347,11 @@ local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
 if ent then draws, drawn, credit = {}, 0, -1 end
 if ent and same_call then
   -- a re-send: report the draws its first run made, nothing drawn now
-  local epoch, list = G.parse_draws(redis.call('HGET', dr_key, request_id))
+  local epoch, list = G.more().parse_draws(redis.call('HGET', dr_key, request_id))
   if epoch then
     draws, draw_epoch = list, epoch
     for _, d in ipairs(list) do drawn = drawn + d[2] end
-    local _, avail = G.live_grants(ent, now)
+    local _, avail = G.more().live_grants(ent, now)
     credit = avail
   end
 end

@@ -72,7 +72,7 @@ if dr_key then
   quota_w = call_windows[#call_windows]
   -- the entitlements part of the reply, at `now`
   head = function(now)
-    local live = G.live_grants(ent, now)
+    local live = G.more().live_grants(ent, now)
     local flat = {}
     for _, g in ipairs(live) do
       flat[#flat + 1] = g.ref

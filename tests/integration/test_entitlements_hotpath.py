@@ -35,7 +35,7 @@ usage_fn = importlib.import_module("functions.usage.app")
 embeddings = importlib.import_module("functions.embeddings.app")
 research = importlib.import_module("functions.company_research.app")
 OPERATOR = "arn:aws:sts::123456789012:assumed-role/atto-operators/jane"
-PLANS = "free=40/1h,4/30d;pro=60/1h,2000/30d;team=100/1h,20/30d"
+PLANS = "free=40/1h,4/30d;pro=60/1h,2000/30d;team=100/1h,20/30d;mini=5/1h,100/30d"
 TABLE = "entitlements-hotpath"
 
 
@@ -423,3 +423,16 @@ def test_a_change_whose_refresh_failed_says_so_and_a_repeat_applies_it(env: Any)
     assert embed(user, 1) == [200]  # the cached copy still says not suspended
     op("PUT", f"/admin/v1/users/{user}/suspension", {"reason": "abuse"})
     assert embed(user, 1) == [403]
+
+
+def test_a_cost_the_override_can_never_fit_names_the_overrides_window(env: Any) -> None:
+    """A claim for pro overridden to mini (5 an hour): a structured request (8 tokens) gets
+    422 cost_exceeds_plan naming mini's hourly window, and nothing is charged."""
+    user = uuid.uuid4().hex
+    op("PUT", f"/admin/v1/users/{user}/plan", {"plan": "mini", "reason": "downgrade"})
+    event = _claims(http_event("POST", "/v1/structured", user=user, body={
+        "prompt": "x", "schema": {"type": "string"}}), "[pro]")
+    res = invoke(importlib.import_module("functions.structured.app").handler, event)
+    assert res.status == 422 and res.body["error"]["code"] == "cost_exceeds_plan"
+    assert (res.body["error"]["limit"], res.body["error"]["window_s"]) == (5, 3600)
+    assert [w["used"] for w in usage(user, "[pro]").body["windows"]] == [0, 0]

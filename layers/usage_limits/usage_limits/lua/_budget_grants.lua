@@ -9,94 +9,114 @@ end, ms; 0 = until lifted), and per live grant g:<reference> =
 a subset of "l" (low credit reported) and "x" (exhausted reported).
 dr (hash): request id -> "#<epoch> <ref>=<n> <ref>=<n>", the draws of that charge in draw
 order and the ent epoch they were drawn under. A reference never holds a space or '#'.
+
+Everything is defined in the table G, and only when the including script has set
+`entitled` (entitlements on): creating closures costs Redis time on every call, so a call
+with entitlements off pays for none of this, and one that only reads ent (no draw, no
+refund) makes only G.load_ent and G.more.
 ]]
+local G = nil
+if entitled then
+  G = {}
 
--- ent as {epoch = n or nil, want = n or nil, plan = name or nil, susp = ms or nil,
--- raw = {reference, value, ...}}; grants_of(e) parses the grants (on first use only: a call
--- that draws nothing never parses them).
-local function load_ent(key)
-  local flat = redis.call('HGETALL', key)
-  local e = {raw = {}}
-  for i = 1, #flat, 2 do
-    local field, value = flat[i], flat[i + 1]
-    if field == 'epoch' then e.epoch = tonumber(value)
-    elseif field == 'want' then e.want = tonumber(value)
-    elseif field == 'plan' then e.plan = value
-    elseif field == 'susp' then e.susp = tonumber(value)
-    elseif string.sub(field, 1, 2) == 'g:' then
-      e.raw[#e.raw + 1] = string.sub(field, 3)
-      e.raw[#e.raw + 1] = value
+  -- ent as {epoch = n or nil, want = n or nil, plan = name or nil, susp = ms or nil,
+  -- raw = {reference, value, ...} or nil}; G.more().grants_of(e) parses the grants (on first
+  -- use only: a call that draws nothing never parses them).
+  function G.load_ent(key)
+    local flat = redis.call('HGETALL', key)
+    local e = {}
+    for i = 1, #flat, 2 do
+      local field, value = flat[i], flat[i + 1]
+      if field == 'epoch' then e.epoch = tonumber(value)
+      elseif field == 'want' then e.want = tonumber(value)
+      elseif field == 'plan' then e.plan = value
+      elseif field == 'susp' then e.susp = tonumber(value)
+      elseif string.sub(field, 1, 2) == 'g:' then
+        local raw = e.raw or {}
+        raw[#raw + 1] = string.sub(field, 3)
+        raw[#raw + 1] = value
+        e.raw = raw
+      end
     end
+    return e
   end
-  return e
-end
 
--- The grants of ent, each {ref, remaining, expires (0 = never), kind, created, tokens,
--- flags}, parsed once.
-local function grants_of(e)
-  if e.grants then return e.grants end
-  e.grants = {}
-  for i = 1, #e.raw, 2 do
-    local rem, exp, kind, created, tokens, flags = string.match(
-      e.raw[i + 1], '^(%d+) (%d+) (%a+) (%d+) (%d+) ?(%a*)$')
-    if rem then
-      e.grants[#e.grants + 1] = {ref = e.raw[i], remaining = tonumber(rem),
-                                 expires = tonumber(exp), kind = kind,
-                                 created = tonumber(created), tokens = tonumber(tokens),
-                                 flags = flags}
+  -- The rest is made on first need (G.more()): a call that only reads ent makes none of it.
+  function G.more()
+    if G.live_grants then return G end
+
+    -- The grants of ent, each {ref, remaining, expires (0 = never), kind, created, tokens,
+    -- flags}, parsed once.
+    function G.grants_of(e)
+      if e.grants then return e.grants end
+      e.grants = {}
+      local raw = e.raw or {}
+      for i = 1, #raw, 2 do
+        local rem, exp, kind, created, tokens, flags = string.match(
+          raw[i + 1], '^(%d+) (%d+) (%a+) (%d+) (%d+) ?(%a*)$')
+        if rem then
+          e.grants[#e.grants + 1] = {ref = raw[i], remaining = tonumber(rem),
+                                     expires = tonumber(exp), kind = kind,
+                                     created = tonumber(created), tokens = tonumber(tokens),
+                                     flags = flags}
+        end
+      end
+      return e.grants
     end
-  end
-  return e.grants
-end
 
--- The ent field value of a grant.
-local function grant_value(g)
-  local v = string.format('%d %d %s %d %d', g.remaining, g.expires, g.kind, g.created, g.tokens)
-  if g.flags ~= '' then v = v .. ' ' .. g.flags end
-  return v
-end
-
--- A grant covers requests at `now` unless it has expired (now >= its expiry).
-local function is_live(g, now)
-  return g.expires == 0 or now < g.expires
-end
-
--- Draw order: earliest expiry first (no expiry last), promo before paid, older first, then
--- by reference.
-local function draws_before(a, b)
-  local ea = a.expires == 0 and math.huge or a.expires
-  local eb = b.expires == 0 and math.huge or b.expires
-  if ea ~= eb then return ea < eb end
-  if a.kind ~= b.kind then return a.kind == 'promo' end
-  if a.created ~= b.created then return a.created < b.created end
-  return a.ref < b.ref
-end
-
--- The live grants of ent at `now`, in draw order, and their credit (sum of remaining).
-local function live_grants(e, now)
-  local live, credit = {}, 0
-  for _, g in ipairs(grants_of(e)) do
-    if is_live(g, now) then
-      live[#live + 1] = g
-      credit = credit + g.remaining
+    -- The ent field value of a grant.
+    function G.grant_value(g)
+      local v = string.format('%d %d %s %d %d', g.remaining, g.expires, g.kind, g.created, g.tokens)
+      if g.flags ~= '' then v = v .. ' ' .. g.flags end
+      return v
     end
+
+    -- A grant covers requests at `now` unless it has expired (now >= its expiry).
+    function G.is_live(g, now)
+      return g.expires == 0 or now < g.expires
+    end
+
+    -- Draw order: earliest expiry first (no expiry last), promo before paid, older first, then
+    -- by reference.
+    function G.draws_before(a, b)
+      local ea = a.expires == 0 and math.huge or a.expires
+      local eb = b.expires == 0 and math.huge or b.expires
+      if ea ~= eb then return ea < eb end
+      if a.kind ~= b.kind then return a.kind == 'promo' end
+      if a.created ~= b.created then return a.created < b.created end
+      return a.ref < b.ref
+    end
+
+    -- The live grants of ent at `now`, in draw order, and their credit (sum of remaining).
+    function G.live_grants(e, now)
+      local live, credit = {}, 0
+      for _, g in ipairs(G.grants_of(e)) do
+        if G.is_live(g, now) then
+          live[#live + 1] = g
+          credit = credit + g.remaining
+        end
+      end
+      table.sort(live, G.draws_before)
+      return live, credit
+    end
+
+    -- A dr record as (epoch, list of {ref, n}); (nil, {}) for none.
+    function G.parse_draws(rec)
+      if not rec then return nil, {} end
+      local epoch = tonumber(string.match(rec, '^#(%d+)'))
+      local list = {}
+      for ref, n in string.gmatch(rec, ' (%S+)=(%d+)') do list[#list + 1] = {ref, tonumber(n)} end
+      return epoch, list
+    end
+
+    -- The dr record of draws made under `epoch`.
+    function G.encode_draws(epoch, list)
+      local parts = {string.format('#%d', epoch)}
+      for _, d in ipairs(list) do parts[#parts + 1] = d[1] .. '=' .. string.format('%d', d[2]) end
+      return table.concat(parts, ' ')
+    end
+
+    return G
   end
-  table.sort(live, draws_before)
-  return live, credit
-end
 
--- A dr record as (epoch, list of {ref, n}); (nil, {}) for none.
-local function parse_draws(rec)
-  if not rec then return nil, {} end
-  local epoch = tonumber(string.match(rec, '^#(%d+)'))
-  local list = {}
-  for ref, n in string.gmatch(rec, ' (%S+)=(%d+)') do list[#list + 1] = {ref, tonumber(n)} end
-  return epoch, list
-end
-
--- The dr record of draws made under `epoch`.
-local function encode_draws(epoch, list)
-  local parts = {string.format('#%d', epoch)}
-  for _, d in ipairs(list) do parts[#parts + 1] = d[1] .. '=' .. string.format('%d', d[2]) end
-  return table.concat(parts, ' ')
 end

@@ -38,7 +38,7 @@ local function append_crossings(out, spec, m, cost)
   for i, w in ipairs(call_windows) do
     local limit, after, charged = limits[i], m.windows[w].total, cost
     if w == m.quota then  -- the quota counts only what grants did not cover
-      after, charged = after - m.windows[w].drawn, cost - (m.drawn_now or 0)
+      after, charged = after - (m.windows[w].drawn or 0), cost - (m.drawn_now or 0)
     end
     local before = after - charged
     local level = tonumber(levels[i]) or 0

@@ -21,11 +21,15 @@ local function record_cost(rec)
 end
 
 -- Tokens drawn from grants by one dr record ("#<epoch> <ref>=<n> ..."); none counts 0.
-local function record_drawn(rec)
-  if not rec then return 0 end
-  local total = 0
-  for n in string.gmatch(rec, ' %S+=(%d+)') do total = total + tonumber(n) end
-  return total
+-- Defined only with entitlements on (dr_key): a closure costs Redis time on every call.
+local record_drawn = nil
+if dr_key then
+  record_drawn = function(rec)
+    if not rec then return 0 end
+    local total = 0
+    for n in string.gmatch(rec, ' %S+=(%d+)') do total = total + tonumber(n) end
+    return total
+  end
 end
 
 -- Number of events scored <= ms, which is also the rank of the first event after ms.
@@ -57,20 +61,24 @@ local function sum_costs(ids)
   return total
 end
 
--- Tokens drawn by the given events (0 when entitlements are off).
-local function sum_drawn(ids)
-  if not dr_key or #ids == 0 then return 0 end
-  local total = 0
-  for start = 1, #ids, BATCH do
-    local stop = math.min(start + BATCH - 1, #ids)
-    local recs = redis.call('HMGET', dr_key, unpack(ids, start, stop))
-    for i = 1, #recs do total = total + record_drawn(recs[i]) end
+-- Tokens drawn by the given events (entitlements on only; nil when off).
+local sum_drawn = nil
+if dr_key then
+  sum_drawn = function(ids)
+    if #ids == 0 then return 0 end
+    local total = 0
+    for start = 1, #ids, BATCH do
+      local stop = math.min(start + BATCH - 1, #ids)
+      local recs = redis.call('HMGET', dr_key, unpack(ids, start, stop))
+      for i = 1, #recs do total = total + record_drawn(recs[i]) end
+    end
+    return total
   end
-  return total
 end
 
 -- meta as {clk = ms, windows = {[W] = {total = tokens, lo = ms, first = ms or NONE or nil,
--- was = the same as stored}}}; half-known windows dropped. first (f:<W>) is the score of the oldest event the window
+-- drawn = tokens or nil (0), was = the same as stored}}}; half-known windows dropped.
+-- first (f:<W>) is the score of the oldest event the window
 -- counts: no event lies between the cursor and it, so a cursor that stays below it passes
 -- no event. nil when unknown (a refund removed that event, or a new window); NONE is
 -- trusted only with a zero total.
@@ -93,7 +101,7 @@ local function load_meta()
     if cursors[w] then
       local first = firsts[w]
       if first == NONE and total ~= 0 then first = nil end
-      local d = drawn[w] or 0
+      local d = drawn[w]  -- nil when 0 or absent (entitlements off: always)
       local stored = {total = total, lo = cursors[w], first = firsts[w], drawn = d}
       m.windows[tonumber(w)] = {total = total, lo = cursors[w], first = first, drawn = d,
                                 was = stored}
@@ -140,11 +148,11 @@ local function advance(m, now, wanted)
         -- the cursor below every event: the loop below then subtracts and deletes those
         -- already older than this window (they are out of every window).
         local ids = ids_between(-1, now)
-        m.windows[w] = {total = sum_costs(ids), lo = -1, drawn = sum_drawn(ids)}
+        m.windows[w] = {total = sum_costs(ids), lo = -1, drawn = sum_drawn and sum_drawn(ids)}
       else
         local b = now - w
         local ids = ids_between(b, now)
-        m.windows[w] = {total = sum_costs(ids), lo = b, drawn = sum_drawn(ids)}
+        m.windows[w] = {total = sum_costs(ids), lo = b, drawn = sum_drawn and sum_drawn(ids)}
       end
     end
   end
@@ -161,7 +169,8 @@ local function advance(m, now, wanted)
         -- events in (lo, b] have left the window since the last call: subtract each once
         local gone = leaving(s, b)
         s.total = s.total - sum_costs(gone)
-        local drew = s.drawn > 0  -- else no event this window counts drew: none has a dr record
+        -- with no drawn tokens in the window, no leaving event has a dr record
+        local drew = sum_drawn and (s.drawn or 0) > 0
         if drew then s.drawn = math.max(0, s.drawn - sum_drawn(gone)) end
         if w == longest and #gone > 0 then
           -- they have left every window (each cursor is past them): delete them
@@ -212,9 +221,9 @@ local function save_meta(m, now, longest)
       fields[#fields + 1] = 'f:' .. tag
       fields[#fields + 1] = s.first == NONE and '-1' or int(s.first)
     end
-    if s.drawn ~= (was.drawn or 0) then
+    if (s.drawn or 0) ~= (was.drawn or 0) then
       fields[#fields + 1] = 'd:' .. tag
-      fields[#fields + 1] = int(s.drawn)
+      fields[#fields + 1] = int(s.drawn or 0)
     end
   end
   redis.call('HSET', meta_key, unpack(fields))

@@ -26,9 +26,10 @@ local plan = ARGV[3]
 local susp = ARGV[4]
 local grants = ARGV[5]
 
+local entitled = true
 --#include _budget_grants.lua  (entitlements and draws)
 
-local current = load_ent(ent_key)
+local current = G.load_ent(ent_key)
 if current.epoch then
   if current.epoch == epoch then return {1, epoch} end
   if current.epoch > epoch then return {0, current.epoch} end
@@ -37,7 +38,7 @@ elseif current.want and epoch < current.want then
 end
 
 local kept = {}
-for _, g in ipairs(grants_of(current)) do kept[g.ref] = g end
+for _, g in ipairs(G.more().grants_of(current)) do kept[g.ref] = g end
 local fields = {'epoch', string.format('%d', epoch)}
 if plan ~= '' then
   fields[#fields + 1] = 'plan'
@@ -56,7 +57,7 @@ for line in string.gmatch(grants, '[^\n]+') do
     local old = kept[ref]
     if old and old.remaining == g.remaining and old.tokens == g.tokens then g.flags = old.flags end
     fields[#fields + 1] = 'g:' .. ref
-    fields[#fields + 1] = grant_value(g)
+    fields[#fields + 1] = G.more().grant_value(g)
   end
 end
 redis.call('DEL', ent_key)

@@ -52,6 +52,7 @@ local now_arg = tonumber(ARGV[4] or '0')
 local low = tonumber(ARGV[5] or '0')
 local low_margin = tonumber(ARGV[6] or '0')
 
+local entitled = dr_key ~= nil
 --#include _budget_grants.lua  (entitlements and draws)
 
 local function done(changed, epoch, returned)
@@ -76,17 +77,17 @@ local flat = redis.call('HGETALL', meta_key)
 -- the drawn part first: back = min(delta, drawn), in reverse draw order
 local back, returned, epoch = 0, {}, 0
 if dr_key then
-  local draw_epoch, list = parse_draws(redis.call('HGET', dr_key, request_id))
+  local draw_epoch, list = G.more().parse_draws(redis.call('HGET', dr_key, request_id))
   if #list > 0 then
     local clk = 0
     for i = 1, #flat, 2 do
       if flat[i] == 'clk' then clk = tonumber(flat[i + 1]) end
     end
     local now = math.max(now_arg, clk)
-    local ent = load_ent(ent_key)
+    local ent = G.load_ent(ent_key)
     epoch = ent.epoch or 0
     local grants = {}
-    for _, g in ipairs(grants_of(ent)) do grants[g.ref] = g end
+    for _, g in ipairs(G.more().grants_of(ent)) do grants[g.ref] = g end
     local left, fields = delta, {}
     for k = #list, 1, -1 do
       if left == 0 then break end
@@ -95,13 +96,13 @@ if dr_key then
       left, back = left - n, back + n
       d[2] = d[2] - n
       local g = grants[d[1]]
-      if g and draw_epoch == ent.epoch and is_live(g, now) then
+      if g and draw_epoch == ent.epoch and G.more().is_live(g, now) then
         g.remaining = math.min(g.tokens, g.remaining + n)
         if g.remaining * 100 > (low + low_margin) * g.tokens then g.flags = '' end
         returned[#returned + 1] = d[1]
         returned[#returned + 1] = n
         fields[#fields + 1] = 'g:' .. g.ref
-        fields[#fields + 1] = grant_value(g)
+        fields[#fields + 1] = G.more().grant_value(g)
       end
     end
     if #fields > 0 then redis.call('HSET', ent_key, unpack(fields)) end
@@ -112,7 +113,7 @@ if dr_key then
     if #kept == 0 or new_cost == 0 then
       redis.call('HDEL', dr_key, request_id)
     else
-      redis.call('HSET', dr_key, request_id, encode_draws(draw_epoch, kept))
+      redis.call('HSET', dr_key, request_id, G.more().encode_draws(draw_epoch, kept))
     end
   end
 end

@@ -90,17 +90,14 @@ local threshold_spec = ARGV[8] or ''
 local plan_name, low, low_margin, catalog = string.match(ARGV[9] or '',
                                                         '^(%S*) (%d+) (%d+) ?(.*)$')
 low, low_margin = tonumber(low or '0'), tonumber(low_margin or '0')
-local function parse_plan(text)
-  call_windows, limits = {}, {}
-  for w, limit in string.gmatch(text, '(%d+):(%d+)') do
-    call_windows[#call_windows + 1] = tonumber(w)
-    limits[#limits + 1] = tonumber(limit)
-  end
+for w, limit in string.gmatch(plan, '(%d+):(%d+)') do
+  call_windows[#call_windows + 1] = tonumber(w)
+  limits[#limits + 1] = tonumber(limit)
 end
-parse_plan(plan)
 
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
 --#include _budget_thresholds.lua  (usage-threshold crossings)
+local entitled = dr_key ~= nil
 --#include _budget_grants.lua  (entitlements and draws)
 
 -- The wait is found by walking the window's oldest events until they free `need` tokens.
@@ -134,7 +131,7 @@ local function wait_ms(now, w, need, quota)
     local recs = redis.call('HMGET', ev_key, unpack(ids))
     local drs = quota and redis.call('HMGET', dr_key, unpack(ids)) or {}
     for i = 1, #recs do
-      freed = freed + record_cost(recs[i]) - record_drawn(drs[i])
+      freed = freed + record_cost(recs[i]) - (quota and record_drawn(drs[i]) or 0)
       if freed >= need then return scores[i] + w - now end
     end
     walked = walked + #ids
@@ -156,14 +153,19 @@ end
 local ent = nil        -- the user's entitlements (entitlements on only)
 local nw = #call_windows
 local quota_w = nil    -- the quota window, ms (entitlements on only)
-local draws = {}       -- this charge's draws, {ref, n} in draw order
+local draws = nil      -- this charge's draws, {ref, n} in draw order (entitlements on)
 local drawn = 0
 local credit = -1      -- live credit after the call; -1 = not read
 local draw_epoch = 0   -- the epoch of the draws reported
-local credit_events = {}
+local credit_events = nil  -- (entitlements on) credit crossings of this charge
 local susp_out = -1
 
-local function ent_block()
+-- Entitlements only (nil when off: a closure or a table costs Redis time on every call).
+local ent_block, charged_by_this_call = nil, nil
+if dr_key then
+draws, credit_events = {}, {}
+
+ent_block = function()
   local out = string.format('%d %d %d %d %s|', draw_epoch, drawn, credit, susp_out, plan_name)
   if #draws > 0 then
     local items = {}
@@ -184,15 +186,17 @@ end
 -- A re-send of this very call that already charged (its reply was lost) is answered as that
 -- charge even when the user has since been suspended, invalidated or moved to a plan the
 -- cost exceeds: the caller must learn of the charge (to refund it), not be told "nothing".
-local function charged_by_this_call()
+charged_by_this_call = function()
   if not redis.call('ZSCORE', log_key, request_id) then return false end
   local rec = redis.call('HGET', ev_key, request_id)
   return rec and string.match(rec, '^%d+ (%S+)') == nonce
 end
 
+end
+
 local resent = false
 if dr_key then
-  ent = load_ent(ent_key)
+  ent = G.load_ent(ent_key)
   if not ent.epoch then
     resent = charged_by_this_call()
     if not resent then return {4, 0, 0, ent_block()} end
@@ -215,7 +219,11 @@ if ent then
     for name, spec in string.gmatch(catalog, '([^;=]+)=([^;]*)') do
       if name == ent.plan then
         plan_name = name
-        parse_plan(spec)
+        call_windows, limits = {}, {}
+        for w, limit in string.gmatch(spec, '(%d+):(%d+)') do
+          call_windows[#call_windows + 1] = tonumber(w)
+          limits[#limits + 1] = tonumber(limit)
+        end
         nw = #call_windows
         break
       end
@@ -233,17 +241,13 @@ end
 
 local longest = advance(m, now, call_windows)
 
-local function used_of(w)
-  local s = m.windows[w]
-  if w == quota_w then return s.total - s.drawn end
-  return s.total
-end
-
+-- (quota_w is nil with entitlements off: every window counts full costs)
 local function reply(status, retry, binding)
   local out = {status, retry, binding}
   if ent then out[4] = ent_block() end
   for _, w in ipairs(call_windows) do
-    out[#out + 1] = used_of(w)
+    local s = m.windows[w]
+    out[#out + 1] = w == quota_w and s.total - (s.drawn or 0) or s.total
     out[#out + 1] = resets_at(m, w)
   end
   return out
@@ -252,10 +256,11 @@ end
 local fits, quota_short = true, false
 for i, w in ipairs(call_windows) do
   if w == quota_w then
-    local need = used_of(w) + cost - limits[i]
+    local s = m.windows[w]
+    local need = s.total - (s.drawn or 0) + cost - limits[i]
     if need > 0 then
       local want = math.min(need, cost)
-      local live, avail = live_grants(ent, now)
+      local live, avail = G.more().live_grants(ent, now)
       credit = avail
       if avail < want then
         fits, quota_short = false, true
@@ -276,42 +281,40 @@ for i, w in ipairs(call_windows) do
   end
 end
 if ent and not fits and credit < 0 then
-  local _, avail = live_grants(ent, now)
+  local _, avail = G.more().live_grants(ent, now)
   credit = avail
-end
-
--- The draws become real: remaining, credit crossings, the dr record, d:<W> of every window.
-local function apply_draws()
-  local fields = {}
-  for _, d in ipairs(draws) do
-    local g, n = d[3], d[2]
-    local before = g.remaining
-    g.remaining = before - n
-    if not string.find(g.flags, 'l', 1, true) and before * 100 > low * g.tokens
-        and g.remaining * 100 <= low * g.tokens then
-      g.flags = g.flags .. 'l'
-      credit_events[#credit_events + 1] = {g.ref, 'low', g.remaining, g.tokens}
-    end
-    if g.remaining == 0 and not string.find(g.flags, 'x', 1, true) then
-      g.flags = g.flags .. 'x'
-      credit_events[#credit_events + 1] = {g.ref, 'exhausted', 0, g.tokens}
-    end
-    fields[#fields + 1] = 'g:' .. g.ref
-    fields[#fields + 1] = grant_value(g)
-    d[3] = nil
-  end
-  redis.call('HSET', ent_key, unpack(fields))
-  redis.call('HSET', dr_key, request_id, encode_draws(ent.epoch, draws))
-  redis.call('PEXPIRE', dr_key, int(longest + margin_ms + math.min(longest, 3600000)))
-  credit = credit - drawn
-  for _, s in pairs(m.windows) do s.drawn = s.drawn + drawn end
 end
 
 if fits then
   -- NX: an id already in the log keeps its charge (a duplicate, answered below)
   if redis.call('ZADD', log_key, 'NX', int(now), request_id) == 1 then
     redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
-    if drawn > 0 then apply_draws() end
+    if drawn > 0 then
+      -- the draws become real: remaining, credit crossings, the dr record, every d:<W>
+      local fields = {}
+      for _, d in ipairs(draws) do
+        local g, n = d[3], d[2]
+        local before = g.remaining
+        g.remaining = before - n
+        if not string.find(g.flags, 'l', 1, true) and before * 100 > low * g.tokens
+            and g.remaining * 100 <= low * g.tokens then
+          g.flags = g.flags .. 'l'
+          credit_events[#credit_events + 1] = {g.ref, 'low', g.remaining, g.tokens}
+        end
+        if g.remaining == 0 and not string.find(g.flags, 'x', 1, true) then
+          g.flags = g.flags .. 'x'
+          credit_events[#credit_events + 1] = {g.ref, 'exhausted', 0, g.tokens}
+        end
+        fields[#fields + 1] = 'g:' .. g.ref
+        fields[#fields + 1] = G.more().grant_value(g)
+        d[3] = nil
+      end
+      redis.call('HSET', ent_key, unpack(fields))
+      redis.call('HSET', dr_key, request_id, G.more().encode_draws(ent.epoch, draws))
+      redis.call('PEXPIRE', dr_key, int(longest + margin_ms + math.min(longest, 3600000)))
+      credit = credit - drawn
+      for _, s in pairs(m.windows) do s.drawn = (s.drawn or 0) + drawn end
+    end
     for _, s in pairs(m.windows) do
       s.total = s.total + cost
       if s.first == NONE then s.first = now end
@@ -323,16 +326,17 @@ if fits then
 elseif not redis.call('ZSCORE', log_key, request_id) then
   local retry, binding = 0, 0
   for i, w in ipairs(call_windows) do
-    local total = used_of(w)
+    local total = m.windows[w].total
+    if w == quota_w then total = total - (m.windows[w].drawn or 0) end
     -- the quota fails only when the grants could not cover what it lacks
     if total + cost > limits[i] and (w ~= quota_w or quota_short) then
-      local quota = w == quota_w and m.windows[w].drawn > 0
+      local quota = w == quota_w and (m.windows[w].drawn or 0) > 0
       local wait = wait_ms(now, w, total + cost - limits[i], quota)
       if wait > retry then retry, binding = wait, i end
     end
   end
   save_meta(m, now, longest)
-  draws, drawn = {}, 0  -- nothing drawn for a rejected charge
+  if ent then draws, drawn = {}, 0 end  -- nothing drawn for a rejected charge
   return reply(0, retry, binding)
 end
 
@@ -340,14 +344,14 @@ end
 save_meta(m, now, longest)
 local rec = redis.call('HGET', ev_key, request_id)
 local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
-draws, drawn, credit = {}, 0, -1
+if ent then draws, drawn, credit = {}, 0, -1 end
 if ent and same_call then
   -- a re-send: report the draws its first run made, nothing drawn now
-  local epoch, list = parse_draws(redis.call('HGET', dr_key, request_id))
+  local epoch, list = G.more().parse_draws(redis.call('HGET', dr_key, request_id))
   if epoch then
     draws, draw_epoch = list, epoch
     for _, d in ipairs(list) do drawn = drawn + d[2] end
-    local _, avail = live_grants(ent, now)
+    local _, avail = G.more().live_grants(ent, now)
     credit = avail
   end
 end

@@ -51,17 +51,20 @@ local call_windows = {}
 for i = dr_key and 6 or 4, #ARGV do call_windows[#call_windows + 1] = tonumber(ARGV[i]) end
 
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
+local entitled = dr_key ~= nil
 --#include _budget_grants.lua  (entitlements and draws)
 
 local ent, quota_w, head = nil, nil, nil
 if dr_key then
-  ent = load_ent(ent_key)
+  ent = G.load_ent(ent_key)
   if ent.plan and ent.plan ~= plan_name then
     for name, spec in string.gmatch(catalog, '([^;=]+)=([^;]*)') do
       if name == ent.plan then
         plan_name = name
         call_windows = {}
-        for w in string.gmatch(spec, '(%d+):%d+') do call_windows[#call_windows + 1] = tonumber(w) end
+        for w in string.gmatch(spec, '(%d+):%d+') do
+          call_windows[#call_windows + 1] = tonumber(w)
+        end
         break
       end
     end
@@ -69,7 +72,7 @@ if dr_key then
   quota_w = call_windows[#call_windows]
   -- the entitlements part of the reply, at `now`
   head = function(now)
-    local live = live_grants(ent, now)
+    local live = G.more().live_grants(ent, now)
     local flat = {}
     for _, g in ipairs(live) do
       flat[#flat + 1] = g.ref
@@ -103,7 +106,7 @@ local out = {now}
 if head then out[2] = head(now) end
 for _, w in ipairs(call_windows) do
   local s = m.windows[w]
-  out[#out + 1] = w == quota_w and s.total - s.drawn or s.total
+  out[#out + 1] = w == quota_w and s.total - (s.drawn or 0) or s.total
   out[#out + 1] = resets_at(m, w)
 end
 if max_events > 0 then

@@ -227,7 +227,11 @@ def require_tokens(
                 "the usage limiter is unavailable; nothing was charged",
                 headers=retry_after_header(1)) from exc
         except CostExceedsLimit as exc:
-            window_s = next((s for limit, s in plan if limit < cost), plan[-1][1])
+            # the window that refused it: of the caller's plan, else (an operator's
+            # override to another plan) of the plan whose window has that limit
+            plans = [plan, *(p.windows for p in settings().plans.by_name.values())]
+            window_s = next((s for windows in plans for limit, s in windows
+                             if limit == exc.limit and limit < cost), plan[-1][1])
             raise CostExceedsPlan(
                 f"this request costs {cost} tokens, more than your plan allows in a window "
                 f"of {window_s} s; it can never be served under this plan",

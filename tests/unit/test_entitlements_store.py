@@ -206,6 +206,24 @@ def test_a_draw_commits_once_under_its_epoch(store: EntitlementStore) -> None:
     assert (record["op"], record["draws"], record["epoch"]) == ("draw", "a=4 b=2", epoch)
 
 
+def test_only_draw_records_carry_the_time_to_live(store: EntitlementStore) -> None:
+    """A draw record expires about DRAW_RECORD_DAYS after it was written (DynamoDB's time to
+    live); the grant it drew from, and every other item, carries no expiry."""
+    import time
+
+    from usage_limits.entitlements.store import DRAW_RECORD_DAYS, TTL_ATTRIBUTE
+
+    _grant(store, "d4", "a", 10)
+    epoch = store.bump_epoch("d4")
+    assert store.commit_draw("d4", "r:1", "n1", [("a", 3)], epoch)
+    [record] = store.credit_records("d4")
+    expected = time.time() + DRAW_RECORD_DAYS * 86400
+    assert abs(int(record[TTL_ATTRIBUTE]) - expected) < 60
+    items = store.client.scan(TableName=store.table)["Items"]
+    carrying = {item["sk"]["S"].split("#")[0] for item in items if TTL_ATTRIBUTE in item}
+    assert carrying == {"D"}, carrying
+
+
 def test_a_draw_under_a_replaced_epoch_never_commits(store: EntitlementStore) -> None:
     """Once a load (or an operator change) took a new epoch, a draw made under the old one
     is refused and writes nothing: no record, no consumption."""

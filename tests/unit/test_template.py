@@ -356,8 +356,8 @@ def test_every_route_requires_the_jwt_authorizer_or_iam(resources: dict[str, Any
 
 def test_entitlements_table_is_durable_and_matches_the_store(template: dict[str, Any]) -> None:
     """The entitlements table is on-demand with point-in-time recovery, kept on deletion,
-    and has the keys and index the store uses."""
-    from usage_limits.entitlements.store import TABLE_DEFINITION
+    and has the keys, index and time-to-live attribute the store uses."""
+    from usage_limits.entitlements.store import TABLE_DEFINITION, TTL_ATTRIBUTE
 
     table = template["Resources"]["EntitlementsTable"]
     props = table["Properties"]
@@ -366,6 +366,7 @@ def test_entitlements_table_is_durable_and_matches_the_store(template: dict[str,
     assert props["PointInTimeRecoverySpecification"] == {"PointInTimeRecoveryEnabled": True}
     for key in ("AttributeDefinitions", "KeySchema", "GlobalSecondaryIndexes"):
         assert props[key] == TABLE_DEFINITION[key], key
+    assert props["TimeToLiveSpecification"] == {"AttributeName": TTL_ATTRIBUTE, "Enabled": True}
 
 
 #: The DynamoDB actions each holder may use on the entitlements table: the operator API

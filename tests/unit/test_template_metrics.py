@@ -3,8 +3,8 @@
 The emitted set is derived from the code, not kept by hand: the metric-name constants and
 dimension sets declared in ``usage_limits/web/observability.py``, and the calls
 ``obs.count(...)``/``obs.provider_count(...)`` found in the layers' and functions' source
-(a declared metric that nothing counts is not emitted), and the few request metrics
-``COUNTED_BY_GUARD`` names. Metrics of the ``AWS/Lambda`` namespace are the platform's own.
+(a declared metric that nothing counts is not emitted). Metrics of the ``AWS/Lambda``
+namespace are the platform's own.
 """
 
 from __future__ import annotations
@@ -28,10 +28,6 @@ SOURCES = [*sorted((ROOT / "layers").rglob("*.py")), *sorted((ROOT / "functions"
 SUB_SAMPLES = {"Stage": "dev", "AWS::Region": "us-east-1"}
 #: The platform's metrics an alarm may watch, with their dimension names.
 PLATFORM_METRICS = {("AWS/Lambda", "Duration"): frozenset({"FunctionName"})}
-#: Request metrics counted by the metered routes' guard from a reservation's fields, which
-#: the call-site scan below may not find: ``CreditDrawn`` is ``reservation.drawn``, counted
-#: once a reservation that drew credit has its draws recorded.
-COUNTED_BY_GUARD = frozenset({obs.CREDIT_DRAWN})
 _SEARCH = re.compile(r"SEARCH\('\{(?P<schema>[^}]*)\}\s+MetricName=\"(?P<name>\w+)\""
                      r"(?P<filters>[^']*)'")
 _FILTER = re.compile(r'(\w+)="([^"]*)"')
@@ -58,8 +54,6 @@ def _emitting_calls() -> dict[str, str]:
     # request_done() counts requests and their 4xx/5xx answers: emitted when it is called.
     middleware = (ROOT / "layers/usage_limits/usage_limits/web/middleware.py").read_text()
     assert "obs.request_done(" in middleware
-    for name in COUNTED_BY_GUARD:
-        assert found.setdefault(name, "count") == "count", name
     return found
 
 

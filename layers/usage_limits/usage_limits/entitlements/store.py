@@ -64,6 +64,14 @@ AUDIT_PARTITION = "AUDIT"
 DEFAULT_AUDIT = 50
 MAX_AUDIT = 500
 
+#: The attribute DynamoDB's time to live reads (epoch seconds), as template.yaml declares it.
+#: Only draw records carry it: grants, suspensions, overrides, refunds and the audit log stay.
+TTL_ATTRIBUTE = "ttl"
+#: How long a draw or return record is kept, days. A retry of the same charge comes within
+#: seconds, so its once-only record is long gone only for charges far out of every window;
+#: over a year keeps a yearly audit of where each grant's tokens went.
+DRAW_RECORD_DAYS = 400
+
 #: The table's key schema, as template.yaml declares it (a test keeps the two in step).
 TABLE_DEFINITION: dict[str, Any] = {
     "AttributeDefinitions": [
@@ -514,7 +522,8 @@ class EntitlementStore:
                 raise InvalidArgument(f"tokens of a {op} must be positive integers")
             totals[check_reference(reference)] = totals.get(reference, 0) + tokens
         record = {"request_id": request_id, "nonce": nonce, "op": op, "epoch": epoch,
-                  "draws": " ".join(f"{r}={n}" for r, n in pairs), "at": _now_ms()}
+                  "draws": " ".join(f"{r}={n}" for r, n in pairs), "at": _now_ms(),
+                  TTL_ATTRIBUTE: int(time.time()) + DRAW_RECORD_DAYS * 86400}
         items: list[dict[str, Any]] = [
             {"ConditionCheck": {"TableName": self.table,
                                 "Key": self._ser({"pk": pk, "sk": _LOAD_SK}),
@@ -650,6 +659,8 @@ class EntitlementStore:
         client.create_table(TableName=self.table, **TABLE_DEFINITION)
         client.get_waiter("table_exists").wait(TableName=self.table,
                                                WaiterConfig={"Delay": 0.1, "MaxAttempts": 100})
+        client.update_time_to_live(TableName=self.table, TimeToLiveSpecification={
+            "AttributeName": TTL_ATTRIBUTE, "Enabled": True})
 
 
 _store: EntitlementStore | None = None

@@ -297,10 +297,9 @@ async def _record_draw(state: RequestState, charge: Charge, ent: EntitlementCach
     if await ent.commit_draw(charge.user_id, charge.request_id, charge.nonce, reservation):
         charge.recorded = True
         obs.count(obs.CREDIT_DRAWN, reservation.drawn)
-        credit_events = getattr(events, "credit_events", None)
-        if reservation.credit_crossings and credit_events is not None:
-            events.publish_soon(credit_events(charge.user_id, state.plan_name,
-                                              reservation.credit_crossings))
+        if reservation.credit_crossings:
+            events.publish_soon(events.credit_events(charge.user_id, state.plan_name,
+                                                     reservation.credit_crossings))
         return
     state.reservation = None  # no RateLimit fields claiming a charge that is undone
     try:

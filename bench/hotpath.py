@@ -27,7 +27,7 @@ hiredis hidden from the interpreter, to show what hiredis alone does. The baseli
 hiredis, so "as it was" runs without it.
 
     .venv/bin/python bench/hotpath.py            # full run (a few minutes)
-    .venv/bin/python bench/hotpath.py --quick    # every row, fewer calls (about a minute)
+    .venv/bin/python bench/hotpath.py --quick    # every row, fewer calls (a minute or two)
 """
 
 from __future__ import annotations

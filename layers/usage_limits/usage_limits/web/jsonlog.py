@@ -17,6 +17,10 @@ imported: Powertools' package costs tens of milliseconds to import on a cold sta
 The level is Lambda's advanced logging controls' (``AWS_LAMBDA_LOG_LEVEL``) when set, else
 ``POWERTOOLS_LOG_LEVEL``, else ``LOG_LEVEL``, else INFO. Records go to a stdlib logger named
 after the service, which does not propagate to the root logger.
+
+Not carried over from Powertools, since no function uses them: log sampling
+(``POWERTOOLS_LOGGER_SAMPLE_RATE``), logging the incoming event, ``POWERTOOLS_DEV``'s indented
+output, log buffering, and the warning when Lambda's level is above the one asked for.
 """
 
 from __future__ import annotations

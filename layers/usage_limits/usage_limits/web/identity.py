@@ -29,6 +29,18 @@ LOCAL_PLAN_HEADER = "x-atto-plan"
 IDEMPOTENCY_HEADER = "idempotency-key"
 MAX_USER_ID = 256
 MAX_IDEMPOTENCY_KEY = 128
+#: Where a request's scope keeps what was found out about it (the middleware, the guard and
+#: the route all ask the same questions of one request).
+_SCOPE_KEY = "usage_limits.identity"
+
+
+def _found(request: Request) -> dict[str, str]:
+    """The identity answers already worked out for this request (user id, request id)."""
+    scope = request.scope
+    found: dict[str, str] | None = scope.get(_SCOPE_KEY)
+    if found is None:
+        found = scope[_SCOPE_KEY] = {}
+    return found
 
 
 def _claims(event: dict[str, Any]) -> dict[str, Any]:
@@ -53,6 +65,10 @@ def user_id(request: Request) -> str:
     Raises:
         Unauthorized: no JWT ``sub`` (and, in local mode, no ``X-Atto-User``).
     """
+    found = _found(request)
+    known = found.get("user")
+    if known is not None:
+        return known
     event = request.scope.get("aws.event") or {}
     sub = _claims(event).get("sub")
     local = settings().local
@@ -65,6 +81,7 @@ def user_id(request: Request) -> str:
         raise Unauthorized("no authenticated user: a valid bearer token is required")
     if len(sub) > MAX_USER_ID or not sub.isprintable():
         raise Unauthorized("the user identity is malformed")
+    found["user"] = sub
     return sub
 
 
@@ -135,6 +152,14 @@ def request_id(request: Request) -> str:
     Raises:
         InvalidRequest: the Idempotency-Key is empty, too long or not printable ASCII.
     """
+    found = _found(request)
+    known = found.get("request_id")
+    if known is None:
+        known = found["request_id"] = _new_request_id(request)
+    return known
+
+
+def _new_request_id(request: Request) -> str:
     key = request.headers.get(IDEMPOTENCY_HEADER)
     if key is not None:
         if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY or not all(" " <= c <= "~" for c in key):

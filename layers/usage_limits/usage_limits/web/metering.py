@@ -73,9 +73,10 @@ def metered(endpoint: Callable[..., Any]) -> Callable[..., Any]:
     async def wrapper(**arguments: Any) -> Any:
         state = request_state(arguments.pop(_REQUEST_ARG))
         if state.meter is not None:
-            answer = await claim_key(state)
-            if answer is not None:
-                return answer
+            if state.idempotency is not None:
+                answer = await claim_key(state)
+                if answer is not None:
+                    return answer
             await state.meter(arguments)
         if is_async:
             return await endpoint(**arguments)

@@ -196,6 +196,20 @@ class Reservation:
         nonce: this call's nonce; ``refund`` and ``settle`` of the charge it made need it.
         crossings: the usage thresholds this charge crossed (a budget made with
             ``thresholds`` only), each reported once (see ``usage_limits.thresholds``).
+        status: ``charged`` (now, or by this very call before a re-send), ``duplicate``,
+            ``rejected``, and with entitlements on ``suspended`` or ``not_loaded`` (load
+            the user's entitlements, then call again); nothing is charged for the last
+            three. A re-send of a call that charged is ``charged`` whatever changed since.
+        plan_name: the plan used: an operator's override naming a catalog plan, else the
+            ``plan_name`` passed ('' when none).
+        drawn: tokens of this charge drawn from grants (0 when none).
+        draws: (reference, tokens) drawn, in draw order; a re-send reports the first run's.
+        credit: the live credit left after the call; None when it was not read (nothing
+            drawn and not rejected, or entitlements off).
+        epoch: the entitlements epoch the draws were made under (the one read when none
+            were); 0 when entitlements are off or not loaded.
+        suspended_until_ms: for ``suspended``, when it ends, ms (0 = until lifted).
+        credit_crossings: grants this charge took to low or exhausted credit, once each.
     """
 
     allowed: bool

@@ -558,3 +558,16 @@ async def test_quota_thresholds_count_what_grants_did_not_cover(redis_client, ui
     assert [(c.window_s, c.threshold, c.used) for c in d.crossings] == [(3600.0, 100, 20)]
     d = await budget.reserve(uid, "d", 5, now_ms=T0 + 3 * MIN, plan_name="free")
     assert d.drawn == 5 and d.crossings == ()
+
+
+async def test_an_override_names_its_plan_exactly(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """An override picks the catalog plan of exactly its name, not one it is a prefix or
+    suffix of, and a plan with fewer windows than the caller's replaces all of them."""
+    catalog = {"xpro": TINY, "pro2": TINY, "pro": [Window(70, 3600)], "free": FREE}
+    budget = TokenBudget(redis_client, FREE, catalog=catalog, entitlements=True)
+    await load(budget, uid, plan="pro")
+    d = await budget.reserve(uid, "a", 60, now_ms=T0, plan_name="free")
+    assert (d.status, d.plan_name, [(w.limit, w.used) for w in d.windows]) == (
+        "charged", "pro", [(70, 60)])
+    usage = await budget.usage(uid, now_ms=T0, plan_name="free")
+    assert (usage.plan_name, [w.limit for w in usage.windows]) == ("pro", [70])

@@ -421,8 +421,9 @@ class TokenBudget:
             if not isinstance(name, str) or not _PLAN_NAME.fullmatch(name):
                 raise InvalidArgument(f"plan name {name!r} must be 1..64 of A-Z a-z 0-9 _ . -")
             self.catalog[name] = _plan(plan)
-        self._catalog_arg = ";".join(f"{name}={_plan_args(plan)[1][0].decode()}"
-                                     for name, plan in self.catalog.items()).encode()
+        # ";<name>=<plan>;<name>=<plan>": the scripts find ";<name>=" with one plain search
+        self._catalog_arg = "".join(f";{name}={_plan_args(plan)[1][0].decode()}"
+                                    for name, plan in self.catalog.items()).encode()
         margin = thresholds.margin if thresholds is not None else DEFAULT_CREDIT_MARGIN
         self._credit_args = (credit_low_percent, margin)
         self._ent_args = (credit_low_percent, margin, self._catalog_arg)

@@ -35,9 +35,9 @@ ARGV[9]  entitled    "<plan_name> <low> <low_margin> <catalog>" in one argument 
                                  used unless ent.plan names a plan of the catalog
                      low         credit "low" threshold, percent of a grant's tokens (0..100)
                      low_margin  percentage points above `low` a grant must get back before
-                                 its low and exhausted reports are re-armed (integer >= 0)
-                     catalog     the deployment's plans, "<name>=<plan>;<name>=<plan>", each
-                                 <plan> as ARGV[7]; may be empty
+                                 its reports are re-armed (budget_refund.lua's; unused here)
+                     catalog     the deployment's plans, ";<name>=<plan>;<name>=<plan>",
+                                 each <plan> as ARGV[7]; may be empty
 The plan's longest window is the quota Q; meta keeps d:<W>, tokens drawn from grants by the
 events window W counts, and the quota's used is t:<Q> - d:<Q>. A charge that fits every
 shorter window (full cost) but needs need = used + cost - Q > 0 tokens over the quota draws
@@ -87,9 +87,8 @@ local margin_ms = tonumber(ARGV[6])
 local plan = ARGV[7]
 local call_windows, limits = {}, {}
 local threshold_spec = ARGV[8] or ''
-local plan_name, low, low_margin, catalog = string.match(ARGV[9] or '',
-                                                        '^(%S*) (%d+) (%d+) ?(.*)$')
-low, low_margin = tonumber(low or '0'), tonumber(low_margin or '0')
+local entitled_arg = ARGV[9] or ''
+local plan_name = string.match(entitled_arg, '^%S*')  -- the rest is read when needed
 for w, limit in string.gmatch(plan, '(%d+):(%d+)') do
   call_windows[#call_windows + 1] = tonumber(w)
   limits[#limits + 1] = tonumber(limit)
@@ -215,11 +214,12 @@ if ent then
     end
   end
   if ent.plan and ent.plan ~= plan_name then
-    -- the override's entry "<name>=<plan>" of the catalog (names hold no ';' or '=')
-    local at = string.find(';' .. catalog, ';' .. ent.plan .. '=', 1, true)
+    -- the override's entry ";<name>=<plan>" of the catalog (names hold no ';' or '=')
+    local catalog = string.match(entitled_arg, '^%S* %d+ %d+ (.*)$') or ''
+    local at = string.find(catalog, ';' .. ent.plan .. '=', 1, true)
     if at then
       plan_name = ent.plan
-      local spec = string.match(catalog, '^[^;]*', at + #ent.plan + 1)
+      local spec = string.match(catalog, '^[^;]*', at + #ent.plan + 2)
       local n = 0
       for w, limit in string.gmatch(spec, '(%d+):(%d+)') do
         n = n + 1
@@ -292,6 +292,7 @@ if fits then
     redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
     if drawn > 0 then
       -- the draws become real: remaining, credit crossings, the dr record, every d:<W>
+      local low = tonumber(string.match(entitled_arg, '^%S* (%d+)'))
       local fields = {}
       for _, d in ipairs(draws) do
         local g, n = d[3], d[2]

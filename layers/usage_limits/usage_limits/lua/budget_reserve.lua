@@ -87,8 +87,8 @@ local margin_ms = tonumber(ARGV[6])
 local plan = ARGV[7]
 local call_windows, limits = {}, {}
 local threshold_spec = ARGV[8] or ''
-local entitled_arg = ARGV[9] or ''
-local plan_name = string.match(entitled_arg, '^%S*')  -- the rest is read when needed
+local entitled_arg = ARGV[9]
+local plan_name = entitled_arg and string.match(entitled_arg, '^%S*')  -- the rest: when needed
 for w, limit in string.gmatch(plan, '(%d+):(%d+)') do
   call_windows[#call_windows + 1] = tonumber(w)
   limits[#limits + 1] = tonumber(limit)
@@ -324,7 +324,7 @@ if fits then
       if s.first == NONE then s.first = now end
     end
     save_meta(m, now, longest)
-    m.drawn_now = drawn
+    if ent then m.drawn_now = drawn end
     return append_crossings(reply(1, 0, 0), threshold_spec, m, cost)
   end
 elseif not redis.call('ZSCORE', log_key, request_id) then

@@ -558,3 +558,23 @@ async def test_an_override_names_its_plan_exactly(redis_client, uid) -> None:  #
         "charged", "pro", [(70, 60)])
     usage = await budget.usage(uid, now_ms=T0, plan_name="free")
     assert (usage.plan_name, [w.limit for w in usage.windows]) == ("pro", [70])
+
+
+async def test_references_with_separators_round_trip(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """References holding = : / + @ . - are drawn, reported, recorded and refunded intact."""
+    budget = budget_on(redis_client)
+    ref = "inv=12:a/b+c@d.e-f_g"
+    await load(budget, uid, grant(ref, 10), grant("x=3", 10, created=1))
+    await fill_quota(budget, uid)
+    d = await budget.reserve(uid, "r", 10, now_ms=T0 + 2 * MIN, plan_name="free")
+    assert d.draws == ((ref, 10),)
+    assert d.credit_crossings == (CreditCrossing(ref, "low", 0, 10),
+                                  CreditCrossing(ref, "exhausted", 0, 10))
+    d = await budget.reserve(uid, "s", 5, now_ms=T0 + 3 * MIN, plan_name="free")
+    assert d.draws == (("x=3", 5),)
+    assert d.credit_crossings == ()
+    usage = await budget.usage(uid, now_ms=T0 + 3 * MIN, plan_name="free")
+    assert [e.draws for e in usage.events[:2]] == [(("x=3", 5),), ((ref, 10),)]
+    lowered = await budget.lower(uid, "s", 0, nonce=d.nonce, now_ms=T0 + 3 * MIN)
+    assert lowered.returned == (("x=3", 5),)
+    assert await remaining(budget, uid, T0 + 3 * MIN) == {ref: 0, "x=3": 10}

@@ -77,8 +77,7 @@ async def test_a_charge_over_the_quota_draws_only_what_does_not_fit(redis_client
 
 async def test_grants_are_drawn_earliest_expiry_first_promo_before_paid(redis_client,  # type: ignore[no-untyped-def]
                                                                        uid) -> None:
-    """Draw order: earliest expiry, promo before paid at equal expiry, older first, then
-    the grants with no expiry last."""
+    """Draw order: earliest expiry, promo before paid, older first, no expiry last."""
     budget = budget_on(redis_client)
     late = T0 + 10 * HOUR
     await load(budget, uid, grant("never", 5), grant("paid-late", 1, expires=late),
@@ -165,8 +164,7 @@ async def test_a_refund_gives_nothing_to_an_expired_grant(redis_client, uid) -> 
 
 async def test_a_refund_gives_nothing_to_a_voided_grant_or_across_a_reload(redis_client,  # type: ignore[no-untyped-def]
                                                                            uid) -> None:
-    """A grant voided (absent from the new load) gets nothing back, and credit drawn under
-    an older epoch goes back to no grant: the record of truth already counts it."""
+    """Credit drawn before a reload, or from a grant voided since, goes back to no grant."""
     budget = budget_on(redis_client)
     await load(budget, uid, grant("keep", 10), grant("void", 1, created=0))
     await fill_quota(budget, uid)
@@ -201,8 +199,7 @@ async def test_settle_returns_the_drawn_part_first(redis_client, uid) -> None:  
 
 
 async def test_settle_below_the_drawn_part_returns_all_of_it(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
-    """Lowering by more than was drawn returns every drawn token and lowers the quota by
-    the rest."""
+    """Lowering by more than was drawn returns all of it and lowers the quota by the rest."""
     budget = budget_on(redis_client)
     await load(budget, uid, grant("g", 20))
     await budget.reserve(uid, "a", 10, now_ms=T0, plan_name="free")
@@ -261,8 +258,7 @@ async def test_a_user_not_loaded_gets_not_loaded_and_nothing_is_written(redis_cl
 
 async def test_an_override_replaces_the_plan_and_an_unknown_one_falls_back(redis_client,  # type: ignore[no-untyped-def]
                                                                            uid) -> None:
-    """ent.plan naming a catalog plan is the plan used (and reported); one naming no plan
-    of the catalog leaves the caller's plan."""
+    """An override naming a catalog plan is used; one naming no plan falls back."""
     budget = budget_on(redis_client)
     await load(budget, uid, plan="pro")
     d = await budget.reserve(uid, "a", 30, now_ms=T0, plan_name="free")
@@ -326,8 +322,7 @@ async def test_drawn_tokens_leave_the_quota_with_their_event(redis_client, uid) 
 
 
 async def test_retry_after_on_the_quota_counts_only_quota_parts(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
-    """Retry-After for the quota is never early: the oldest event, drawn entirely from a
-    grant, frees no quota when it leaves, so the wait is for the next one."""
+    """Quota Retry-After skips an oldest event drawn wholly from grants: never early."""
     budget = budget_on(redis_client)
     await load(budget, uid, grant("g", 6))
     await fill_quota(budget, uid)
@@ -345,8 +340,7 @@ async def test_retry_after_on_the_quota_counts_only_quota_parts(redis_client, ui
 
 
 async def test_credit_crossings_are_reported_once_and_rearmed(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
-    """low (at or below 20% left) and exhausted are reported once each, and again only
-    after a refund brings the grant above low + margin."""
+    """Low and exhausted are reported once each, again only after a refund above low+margin."""
     budget = budget_on(redis_client)
     await load(budget, uid, grant("g", 10))
     await fill_quota(budget, uid)
@@ -472,8 +466,7 @@ async def test_entitlements_off_ignore_ent_and_run_the_same_commands(redis_clien
 
 async def test_a_cost_that_fits_the_callers_plan_is_not_refused_early(redis_client,  # type: ignore[no-untyped-def]
                                                                       uid) -> None:
-    """With entitlements on, a cost above the default plan's limit but within the plan the
-    caller passes is charged, not refused before Redis."""
+    """A cost fitting the passed plan but not the default one is charged, not refused."""
     budget = TokenBudget(redis_client, TINY, entitlements=True)
     await load(budget, uid)
     d = await budget.reserve(uid, "a", 9, windows=FREE, now_ms=T0)
@@ -484,8 +477,7 @@ async def test_a_cost_that_fits_the_callers_plan_is_not_refused_early(redis_clie
 
 async def test_a_resent_reservation_of_another_call_reports_no_credit(redis_client,  # type: ignore[no-untyped-def]
                                                                       uid) -> None:
-    """A second reservation of an id already charged (another nonce) draws nothing and
-    reports neither draws nor credit, even when the quota is full."""
+    """A second reservation of a charged id (other nonce) draws and reports nothing."""
     budget = budget_on(redis_client)
     await load(budget, uid, grant("g", 10))
     await fill_quota(budget, uid)
@@ -496,8 +488,7 @@ async def test_a_resent_reservation_of_another_call_reports_no_credit(redis_clie
 
 async def test_usage_read_twice_answers_the_same_and_changes_nothing(redis_client,  # type: ignore[no-untyped-def]
                                                                      uid) -> None:
-    """A usage read run twice (a re-send) reports the same plan, grants, draws and windows,
-    and leaves grants and draws as they were."""
+    """A usage read run twice answers the same and leaves grants and draws unchanged."""
     budget = budget_on(redis_client)
     await load(budget, uid, grant("g", 10), plan="pro")
     for i, cost in enumerate((40, 40, 30)):
@@ -517,9 +508,7 @@ async def test_usage_read_twice_answers_the_same_and_changes_nothing(redis_clien
 @pytest.mark.parametrize("change", ["suspended", "invalidated", "smaller plan"])
 async def test_a_resent_charge_is_reported_after_the_user_changed(redis_client, uid,  # type: ignore[no-untyped-def]
                                                                   change) -> None:
-    """A re-send of a call that charged, arriving after a suspension, an invalidation or an
-    override to a plan its cost exceeds, reports the charge and its draws (so the caller
-    can refund it), and charges or draws nothing more."""
+    """A re-send of a charging call reports its charge and draws after the user changed."""
     budget = budget_on(redis_client)
     await load(budget, uid, grant("g", 10))
     await fill_quota(budget, uid)
@@ -543,8 +532,7 @@ async def test_a_resent_charge_is_reported_after_the_user_changed(redis_client, 
 
 
 async def test_quota_thresholds_count_what_grants_did_not_cover(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
-    """Usage thresholds of the quota window use t - d: reaching the quota reports 100% once,
-    and charges drawn from grants afterwards report no more crossings."""
+    """Quota usage thresholds count t - d: 100% once, none for charges grants then cover."""
     from usage_limits.thresholds import Thresholds
 
     budget = budget_on(redis_client, thresholds=Thresholds((80, 100), 5))
@@ -558,3 +546,35 @@ async def test_quota_thresholds_count_what_grants_did_not_cover(redis_client, ui
     assert [(c.window_s, c.threshold, c.used) for c in d.crossings] == [(3600.0, 100, 20)]
     d = await budget.reserve(uid, "d", 5, now_ms=T0 + 3 * MIN, plan_name="free")
     assert d.drawn == 5 and d.crossings == ()
+
+
+async def test_an_override_names_its_plan_exactly(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """An override picks the catalog plan of exactly its name, with all its windows."""
+    catalog = {"xpro": TINY, "pro2": TINY, "pro": [Window(70, 3600)], "free": FREE}
+    budget = TokenBudget(redis_client, FREE, catalog=catalog, entitlements=True)
+    await load(budget, uid, plan="pro")
+    d = await budget.reserve(uid, "a", 60, now_ms=T0, plan_name="free")
+    assert (d.status, d.plan_name, [(w.limit, w.used) for w in d.windows]) == (
+        "charged", "pro", [(70, 60)])
+    usage = await budget.usage(uid, now_ms=T0, plan_name="free")
+    assert (usage.plan_name, [w.limit for w in usage.windows]) == ("pro", [70])
+
+
+async def test_references_with_separators_round_trip(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
+    """References holding = : / + @ . - are drawn, reported, recorded and refunded intact."""
+    budget = budget_on(redis_client)
+    ref = "inv=12:a/b+c@d.e-f_g"
+    await load(budget, uid, grant(ref, 10), grant("x=3", 10, created=1))
+    await fill_quota(budget, uid)
+    d = await budget.reserve(uid, "r", 10, now_ms=T0 + 2 * MIN, plan_name="free")
+    assert d.draws == ((ref, 10),)
+    assert d.credit_crossings == (CreditCrossing(ref, "low", 0, 10),
+                                  CreditCrossing(ref, "exhausted", 0, 10))
+    d = await budget.reserve(uid, "s", 5, now_ms=T0 + 3 * MIN, plan_name="free")
+    assert d.draws == (("x=3", 5),)
+    assert d.credit_crossings == ()
+    usage = await budget.usage(uid, now_ms=T0 + 3 * MIN, plan_name="free")
+    assert [e.draws for e in usage.events[:2]] == [(("x=3", 5),), ((ref, 10),)]
+    lowered = await budget.lower(uid, "s", 0, nonce=d.nonce, now_ms=T0 + 3 * MIN)
+    assert lowered.returned == (("x=3", 5),)
+    assert await remaining(budget, uid, T0 + 3 * MIN) == {ref: 0, "x=3": 10}

@@ -68,8 +68,7 @@ def _worker(target: tuple[str, list[tuple[str, int]]], user: str, seed: int, sta
 
 @pytest.mark.slow
 async def test_processes_never_overdraw_a_shared_grant(redis_client, request, uid) -> None:  # type: ignore[no-untyped-def]
-    """Eight processes drawing from one 60-token grant draw exactly what it had, never more,
-    and every admitted charge drew its whole cost (the quota was full)."""
+    """Eight processes draw exactly a 60-token grant's credit, never more."""
     if isinstance(redis_client, RedisCluster):
         target = ("cluster", request.getfixturevalue("redis_cluster").startup_nodes)
     else:

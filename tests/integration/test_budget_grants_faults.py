@@ -82,8 +82,7 @@ async def rig(redis_server: RedisServer, fault_proxy: FaultProxy) -> AsyncIterat
 
 @pytest.mark.parametrize("fault,times", CASES, ids=IDS)
 async def test_a_drawing_reserve_draws_once(rig: Rig, fault: Fault, times: int) -> None:
-    """A reservation that draws, through a fault, draws once and reports its draws; when
-    it failed, its kept refund gives the credit back once and never another call's."""
+    """A drawing reservation through a fault draws once; its kept refund returns it once."""
     nonce = new_nonce()
     rig.arm("budget_reserve", fault, times)
     if times == 1:
@@ -106,8 +105,7 @@ async def test_a_drawing_reserve_draws_once(rig: Rig, fault: Fault, times: int) 
 
 @pytest.mark.parametrize("fault,times", CASES, ids=IDS)
 async def test_a_refund_returns_credit_once(rig: Rig, fault: Fault, times: int) -> None:
-    """A refund that gives credit back, through a fault, gives it back exactly once, also
-    when it failed and its caller retried it."""
+    """A credit-returning refund through a fault gives the credit back exactly once."""
     mine = await rig.direct.reserve(rig.user, "a", 3, now_ms=T0 + 2 * MIN)
     assert mine.draws == (("inv-1", 3),)
     rig.arm("budget_refund", fault, times)

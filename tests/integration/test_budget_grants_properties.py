@@ -186,8 +186,7 @@ class GrantsMachine(RuleBasedStateMachine):
 
 
 def test_grants_match_the_model(redis_server: RedisServer) -> None:
-    """Any sequence of grant loads, draws, refunds, settles, plan changes and clock moves
-    leaves windows, draws and grant balances exactly as the pure-Python model computes."""
+    """Any sequence of grant calls leaves ledger, draws and grants as the model computes."""
     loop = asyncio.new_event_loop()
     client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
     GrantsMachine.loop, GrantsMachine.client = loop, client

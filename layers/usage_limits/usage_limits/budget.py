@@ -69,9 +69,9 @@ import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ._scripts import script
 from .exceptions import CostExceedsLimit, InvalidArgument
@@ -196,6 +196,20 @@ class Reservation:
         nonce: this call's nonce; ``refund`` and ``settle`` of the charge it made need it.
         crossings: the usage thresholds this charge crossed (a budget made with
             ``thresholds`` only), each reported once (see ``usage_limits.thresholds``).
+        status: ``charged`` (now, or by this very call before a re-send), ``duplicate``,
+            ``rejected``, and with entitlements on ``suspended`` or ``not_loaded`` (load
+            the user's entitlements, then call again); nothing is charged for the last
+            three. A re-send of a call that charged is ``charged`` whatever changed since.
+        plan_name: the plan used: an operator's override naming a catalog plan, else the
+            ``plan_name`` passed ('' when none).
+        drawn: tokens of this charge drawn from grants (0 when none).
+        draws: (reference, tokens) drawn, in draw order; a re-send reports the first run's.
+        credit: the live credit left after the call; None when it was not read (nothing
+            drawn and not rejected, or entitlements off).
+        epoch: the entitlements epoch the draws were made under (the one read when none
+            were); 0 when entitlements are off or not loaded.
+        suspended_until_ms: for ``suspended``, when it ends, ms (0 = until lifted).
+        credit_crossings: grants this charge took to low or exhausted credit, once each.
     """
 
     allowed: bool
@@ -407,8 +421,9 @@ class TokenBudget:
             if not isinstance(name, str) or not _PLAN_NAME.fullmatch(name):
                 raise InvalidArgument(f"plan name {name!r} must be 1..64 of A-Z a-z 0-9 _ . -")
             self.catalog[name] = _plan(plan)
-        self._catalog_arg = ";".join(f"{name}={_plan_args(plan)[1][0].decode()}"
-                                     for name, plan in self.catalog.items()).encode()
+        # ";<name>=<plan>;<name>=<plan>": the scripts find ";<name>=" with one plain search
+        self._catalog_arg = "".join(f";{name}={_plan_args(plan)[1][0].decode()}"
+                                    for name, plan in self.catalog.items()).encode()
         margin = thresholds.margin if thresholds is not None else DEFAULT_CREDIT_MARGIN
         self._credit_args = (credit_low_percent, margin)
         self._ent_args = (credit_low_percent, margin, self._catalog_arg)
@@ -451,11 +466,16 @@ class TokenBudget:
                 (with entitlements on, of the plan the script used).
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
-        plan = self._caller_plan(windows, plan_name)
+        if windows is None and not plan_name:
+            plan = self.windows  # the common call: nothing to look up or check
+        else:
+            plan = self._caller_plan(windows, plan_name)
         nonce = new_nonce() if nonce is None else _check_nonce(nonce)
         keys, args = self._reserve_call(user_id, request_id, cost, route, plan, now_ms, nonce,
                                         plan_name)
         reply = await script("budget_reserve")(self.redis, keys, args)
+        if not self.entitlements:
+            return _decode_reservation(reply, cost, plan, nonce, plan_name=plan_name)
         return _decode_reservation(reply, cost, plan, nonce, plan_name=plan_name,
                                    catalog=self.catalog)
 
@@ -668,7 +688,7 @@ class TokenBudget:
 
         Benchmarks and tests use this to pipeline many reservations through the real script.
         """
-        keys = _user_keys(user_id, entitlements=self.entitlements)
+        keys = _user_keys(user_id, *(_ENTITLED_KEYS if self.entitlements else ()))
         _check_request_id(request_id)
         if not _is_int(cost) or not 1 <= cost <= MAX_TOKENS:
             raise InvalidArgument(f"cost must be an integer >= 1, not {cost!r}")
@@ -820,7 +840,7 @@ def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
         CostExceedsLimit: the script found the cost above a window of the plan it used.
     """
     status = int(reply[0])
-    ent = _text(reply[3]) if len(reply) > 3 and isinstance(reply[3], bytes | str) else None
+    ent = _text(reply[3]) if len(reply) > 3 and isinstance(reply[3], (bytes, str)) else None
     first = 4 if ent is not None else 3
     if ent is not None:
         head, draws, events = ent.split("|")
@@ -837,8 +857,9 @@ def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
     for i, w in enumerate(plan if counted else ()):
         limit, used = w.limit, int(reply[first + 2 * i])
         left = limit - used if used < limit else 0
-        states.append(WindowUsage(limit, used, left, float(w.seconds),
-                                  _resets(reply[first + 1 + 2 * i])))
+        states.append(_made(WindowUsage, {
+            "limit": limit, "used": used, "remaining": left, "window_s": float(w.seconds),
+            "resets_at_ms": _resets(reply[first + 1 + 2 * i])}))
         if least < 0 or left < least:
             least, tightest = left, w
     bind = plan[int(reply[2]) - 1] if status == _REJECTED else tightest
@@ -848,16 +869,43 @@ def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
                       for i in range(0, len(extra) - 1, 2))
     allowed, retry_s = status in (_CHARGED, _DUPLICATE), int(reply[1]) / 1000.0
     if ent is None:
-        return Reservation(allowed, max(least, 0), retry_s, status == _DUPLICATE, cost,
-                           bind.limit, float(bind.seconds), tuple(states), nonce, crossings,
-                           _STATUS[status], plan_name)
-    return Reservation(
-        allowed, max(least, 0), retry_s, status == _DUPLICATE, cost, bind.limit,
-        float(bind.seconds), tuple(states), nonce, crossings, _STATUS[status], plan_name,
-        int(drawn), _draw_items(draws) if draws else (),
-        None if credit[0] == "-" else int(credit), int(epoch),
-        None if susp[0] == "-" else int(susp),
-        tuple(_credit_crossing(item) for item in events.split(";")) if events else ())
+        return _made(Reservation, {
+            "allowed": allowed, "remaining": max(least, 0), "retry_after_s": retry_s,
+            "duplicate": status == _DUPLICATE, "cost": cost, "limit": bind.limit,
+            "window_s": float(bind.seconds), "windows": tuple(states), "nonce": nonce,
+            "crossings": crossings, "status": _STATUS[status], "plan_name": plan_name})
+    return _made(Reservation, {
+        "allowed": allowed, "remaining": max(least, 0), "retry_after_s": retry_s,
+        "duplicate": status == _DUPLICATE, "cost": cost, "limit": bind.limit,
+        "window_s": float(bind.seconds), "windows": tuple(states), "nonce": nonce,
+        "crossings": crossings, "status": _STATUS[status], "plan_name": plan_name,
+        "drawn": int(drawn), "draws": _draw_items(draws) if draws else (),
+        "credit": None if credit[0] == "-" else int(credit), "epoch": int(epoch),
+        "suspended_until_ms": None if susp[0] == "-" else int(susp),
+        "credit_crossings": tuple(_credit_crossing(item) for item in events.split(";"))
+        if events else ()})
+
+
+_Result = TypeVar("_Result")
+_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
+def _made(cls: type[_Result], values: dict[str, Any]) -> _Result:
+    """A frozen result dataclass with ``values`` (and the defaults of the fields not given).
+
+    The hot path's results are filled in directly: a frozen dataclass's ``__init__`` sets
+    every field through ``object.__setattr__``, which for a ``Reservation`` (19 fields) costs
+    several µs per call. Only for dataclasses without ``__post_init__`` or slots.
+    """
+    defaults = _DEFAULTS.get(cls)
+    if defaults is None:
+        defaults = _DEFAULTS[cls] = {f.name: f.default for f in fields(cls)  # type: ignore[arg-type]
+                                     if f.default is not MISSING}
+    made = object.__new__(cls)
+    state = made.__dict__
+    state.update(defaults)
+    state.update(values)
+    return made
 
 
 def _decode_usage(reply: list[Any], plan: tuple[Window, ...], *, plan_name: str = "",

@@ -19,26 +19,14 @@ local G = nil
 if entitled then
   G = {}
 
-  -- ent as {epoch = n or nil, want = n or nil, plan = name or nil, susp = ms or nil,
-  -- raw = {reference, value, ...} or nil}; G.more().grants_of(e) parses the grants (on first
-  -- use only: a call that draws nothing never parses them).
+  -- ent as {key, epoch = n or nil, want = n or nil, plan = name or nil, susp = ms or nil};
+  -- G.more().grants_of(e) reads and parses the grants on first use only (one HMGET of the
+  -- fixed fields costs less than reading every grant): a call that draws nothing, and
+  -- rejects nothing, never reads them.
   function G.load_ent(key)
-    local flat = redis.call('HGETALL', key)
-    local e = {}
-    for i = 1, #flat, 2 do
-      local field, value = flat[i], flat[i + 1]
-      if field == 'epoch' then e.epoch = tonumber(value)
-      elseif field == 'want' then e.want = tonumber(value)
-      elseif field == 'plan' then e.plan = value
-      elseif field == 'susp' then e.susp = tonumber(value)
-      elseif string.sub(field, 1, 2) == 'g:' then
-        local raw = e.raw or {}
-        raw[#raw + 1] = string.sub(field, 3)
-        raw[#raw + 1] = value
-        e.raw = raw
-      end
-    end
-    return e
+    local v = redis.call('HMGET', key, 'epoch', 'want', 'plan', 'susp')
+    return {key = key, epoch = tonumber(v[1]), want = tonumber(v[2]), plan = v[3] or nil,
+            susp = tonumber(v[4])}
   end
 
   -- The rest is made on first need (G.more()): a call that only reads ent makes none of it.
@@ -50,12 +38,13 @@ if entitled then
     function G.grants_of(e)
       if e.grants then return e.grants end
       e.grants = {}
-      local raw = e.raw or {}
+      local raw = redis.call('HGETALL', e.key)
       for i = 1, #raw, 2 do
+        local ref = string.match(raw[i], '^g:(.+)$')
         local rem, exp, kind, created, tokens, flags = string.match(
           raw[i + 1], '^(%d+) (%d+) (%a+) (%d+) (%d+) ?(%a*)$')
-        if rem then
-          e.grants[#e.grants + 1] = {ref = raw[i], remaining = tonumber(rem),
+        if ref and rem then
+          e.grants[#e.grants + 1] = {ref = ref, remaining = tonumber(rem),
                                      expires = tonumber(exp), kind = kind,
                                      created = tonumber(created), tokens = tonumber(tokens),
                                      flags = flags}

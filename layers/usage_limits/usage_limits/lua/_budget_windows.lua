@@ -85,7 +85,7 @@ end
 local function load_meta()
   local flat = redis.call('HGETALL', meta_key)
   local m = {clk = 0, windows = {}}
-  local totals, cursors, firsts, drawn = {}, {}, {}, {}
+  local totals, cursors, firsts, drawn = {}, {}, {}, nil  -- drawn: only if any d:<W>
   for i = 1, #flat, 2 do
     local field, value = flat[i], flat[i + 1]
     if field == 'clk' then m.clk = tonumber(value)
@@ -94,17 +94,21 @@ local function load_meta()
       if kind == 't' then totals[w] = tonumber(value)
       elseif kind == 'lo' then cursors[w] = tonumber(value)
       elseif kind == 'f' then firsts[w] = value == '-1' and NONE or tonumber(value)
-      elseif kind == 'd' then drawn[w] = tonumber(value) end
+      elseif kind == 'd' then
+        drawn = drawn or {}
+        drawn[w] = tonumber(value)
+      end
     end
   end
   for w, total in pairs(totals) do
     if cursors[w] then
       local first = firsts[w]
       if first == NONE and total ~= 0 then first = nil end
-      local d = drawn[w]  -- nil when 0 or absent (entitlements off: always)
-      local stored = {total = total, lo = cursors[w], first = firsts[w], drawn = d}
-      m.windows[tonumber(w)] = {total = total, lo = cursors[w], first = first, drawn = d,
-                                was = stored}
+      local stored = {total = total, lo = cursors[w], first = firsts[w]}
+      local s = {total = total, lo = cursors[w], first = first, was = stored}
+      local d = drawn and drawn[w]  -- nil when absent (entitlements off: always)
+      if d then stored.drawn, s.drawn = d, d end
+      m.windows[tonumber(w)] = s
     end
   end
   return m
@@ -148,11 +152,12 @@ local function advance(m, now, wanted)
         -- the cursor below every event: the loop below then subtracts and deletes those
         -- already older than this window (they are out of every window).
         local ids = ids_between(-1, now)
-        m.windows[w] = {total = sum_costs(ids), lo = -1, drawn = sum_drawn and sum_drawn(ids)}
+        m.windows[w] = {total = sum_costs(ids), lo = -1,
+                        drawn = sum_drawn and sum_drawn(ids) or nil}
       else
         local b = now - w
         local ids = ids_between(b, now)
-        m.windows[w] = {total = sum_costs(ids), lo = b, drawn = sum_drawn and sum_drawn(ids)}
+        m.windows[w] = {total = sum_costs(ids), lo = b, drawn = sum_drawn and sum_drawn(ids) or nil}
       end
     end
   end

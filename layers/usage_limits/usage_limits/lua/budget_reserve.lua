@@ -35,9 +35,9 @@ ARGV[9]  entitled    "<plan_name> <low> <low_margin> <catalog>" in one argument 
                                  used unless ent.plan names a plan of the catalog
                      low         credit "low" threshold, percent of a grant's tokens (0..100)
                      low_margin  percentage points above `low` a grant must get back before
-                                 its low and exhausted reports are re-armed (integer >= 0)
-                     catalog     the deployment's plans, "<name>=<plan>;<name>=<plan>", each
-                                 <plan> as ARGV[7]; may be empty
+                                 its reports are re-armed (budget_refund.lua's; unused here)
+                     catalog     the deployment's plans, ";<name>=<plan>;<name>=<plan>",
+                                 each <plan> as ARGV[7]; may be empty
 The plan's longest window is the quota Q; meta keeps d:<W>, tokens drawn from grants by the
 events window W counts, and the quota's used is t:<Q> - d:<Q>. A charge that fits every
 shorter window (full cost) but needs need = used + cost - Q > 0 tokens over the quota draws
@@ -87,9 +87,8 @@ local margin_ms = tonumber(ARGV[6])
 local plan = ARGV[7]
 local call_windows, limits = {}, {}
 local threshold_spec = ARGV[8] or ''
-local plan_name, low, low_margin, catalog = string.match(ARGV[9] or '',
-                                                        '^(%S*) (%d+) (%d+) ?(.*)$')
-low, low_margin = tonumber(low or '0'), tonumber(low_margin or '0')
+local entitled_arg = ARGV[9]
+local plan_name = entitled_arg and string.match(entitled_arg, '^%S*')  -- the rest: when needed
 for w, limit in string.gmatch(plan, '(%d+):(%d+)') do
   call_windows[#call_windows + 1] = tonumber(w)
   limits[#limits + 1] = tonumber(limit)
@@ -163,17 +162,16 @@ local susp_out = -1
 -- Entitlements only (nil when off: a closure or a table costs Redis time on every call).
 local ent_block, charged_by_this_call = nil, nil
 if dr_key then
-draws, credit_events = {}, {}
 
 ent_block = function()
   local out = string.format('%d %d %d %d %s|', draw_epoch, drawn, credit, susp_out, plan_name)
-  if #draws > 0 then
+  if draws then
     local items = {}
     for i, d in ipairs(draws) do items[i] = d[1] .. '=' .. string.format('%d', d[2]) end
     out = out .. table.concat(items, ' ')
   end
   out = out .. '|'
-  if #credit_events > 0 then
+  if credit_events then
     local items = {}
     for i, e in ipairs(credit_events) do
       items[i] = string.format('%s %d %d %s', e[2], e[3], e[4], e[1])
@@ -216,17 +214,19 @@ if ent then
     end
   end
   if ent.plan and ent.plan ~= plan_name then
-    for name, spec in string.gmatch(catalog, '([^;=]+)=([^;]*)') do
-      if name == ent.plan then
-        plan_name = name
-        call_windows, limits = {}, {}
-        for w, limit in string.gmatch(spec, '(%d+):(%d+)') do
-          call_windows[#call_windows + 1] = tonumber(w)
-          limits[#limits + 1] = tonumber(limit)
-        end
-        nw = #call_windows
-        break
+    -- the override's entry ";<name>=<plan>" of the catalog (names hold no ';' or '=')
+    local catalog = string.match(entitled_arg, '^%S* %d+ %d+ (.*)$') or ''
+    local at = string.find(catalog, ';' .. ent.plan .. '=', 1, true)
+    if at then
+      plan_name = ent.plan
+      local spec = string.match(catalog, '^[^;]*', at + #ent.plan + 2)
+      local n = 0
+      for w, limit in string.gmatch(spec, '(%d+):(%d+)') do
+        n = n + 1
+        call_windows[n], limits[n] = tonumber(w), tonumber(limit)
       end
+      for i = nw, n + 1, -1 do call_windows[i], limits[i] = nil, nil end
+      nw = n
     end
   end
   for i = 1, nw do
@@ -269,6 +269,7 @@ for i, w in ipairs(call_windows) do
           if want == 0 then break end
           local n = math.min(want, g.remaining)
           if n > 0 then
+            draws = draws or {}
             draws[#draws + 1] = {g.ref, n, g}
             want = want - n
             drawn = drawn + n
@@ -291,6 +292,7 @@ if fits then
     redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
     if drawn > 0 then
       -- the draws become real: remaining, credit crossings, the dr record, every d:<W>
+      local low = tonumber(string.match(entitled_arg, '^%S* (%d+)'))
       local fields = {}
       for _, d in ipairs(draws) do
         local g, n = d[3], d[2]
@@ -299,10 +301,12 @@ if fits then
         if not string.find(g.flags, 'l', 1, true) and before * 100 > low * g.tokens
             and g.remaining * 100 <= low * g.tokens then
           g.flags = g.flags .. 'l'
+          credit_events = credit_events or {}
           credit_events[#credit_events + 1] = {g.ref, 'low', g.remaining, g.tokens}
         end
         if g.remaining == 0 and not string.find(g.flags, 'x', 1, true) then
           g.flags = g.flags .. 'x'
+          credit_events = credit_events or {}
           credit_events[#credit_events + 1] = {g.ref, 'exhausted', 0, g.tokens}
         end
         fields[#fields + 1] = 'g:' .. g.ref
@@ -320,7 +324,7 @@ if fits then
       if s.first == NONE then s.first = now end
     end
     save_meta(m, now, longest)
-    m.drawn_now = drawn
+    if ent then m.drawn_now = drawn end
     return append_crossings(reply(1, 0, 0), threshold_spec, m, cost)
   end
 elseif not redis.call('ZSCORE', log_key, request_id) then
@@ -336,7 +340,7 @@ elseif not redis.call('ZSCORE', log_key, request_id) then
     end
   end
   save_meta(m, now, longest)
-  if ent then draws, drawn = {}, 0 end  -- nothing drawn for a rejected charge
+  draws, drawn = nil, 0  -- nothing drawn for a rejected charge
   return reply(0, retry, binding)
 end
 
@@ -344,7 +348,8 @@ end
 save_meta(m, now, longest)
 local rec = redis.call('HGET', ev_key, request_id)
 local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
-if ent then draws, drawn, credit = {}, 0, -1 end
+draws, drawn = nil, 0
+if ent then credit = -1 end
 if ent and same_call then
   -- a re-send: report the draws its first run made, nothing drawn now
   local epoch, list = G.more().parse_draws(redis.call('HGET', dr_key, request_id))

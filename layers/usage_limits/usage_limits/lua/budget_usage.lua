@@ -19,7 +19,7 @@ ARGV[4] on are instead:
 KEYS[4]  ent         hash: epoch, plan, susp, g:<reference> (the user's entitlements)
 KEYS[5]  dr          hash: request id -> "#<epoch> <ref>=<n> ..." (draws of each charge)
 ARGV[4]  plan_name   the caller's plan, used unless ent.plan names a plan of the catalog
-ARGV[5]  catalog     "<name>=<plan>;...", each <plan> "<window_ms>:<limit> ..." (may be '')
+ARGV[5]  catalog     ";<name>=<plan>;...", each <plan> "<window_ms>:<limit> ..." (or '')
 ARGV[6.. ] window_ms the caller's plan's window lengths, ms, shortest first
 and the reply has the entitlements after now_ms, the quota window (the plan's longest)
 counts t - d (what grants did not cover), and every event has its dr record after it:

@@ -347,11 +347,11 @@ async def test_credit_crossings_are_reported_once_and_rearmed(redis_client, uid)
     d = await budget.reserve(uid, "a", 7, now_ms=T0 + 2 * MIN, plan_name="free")
     assert d.credit_crossings == ()  # 3 left of 10: above 20%
     d = await budget.reserve(uid, "b", 1, now_ms=T0 + 3 * MIN, plan_name="free")
-    assert d.credit_crossings == (CreditCrossing("g", "low", 2, 10),)
+    assert d.credit_crossings == (CreditCrossing("g", "low", 2, 10, "paid"),)
     d = await budget.reserve(uid, "c", 1, now_ms=T0 + 4 * MIN, plan_name="free")
     assert d.credit_crossings == ()  # still low: not again
     d = await budget.reserve(uid, "d", 1, now_ms=T0 + 5 * MIN, plan_name="free")
-    assert d.credit_crossings == (CreditCrossing("g", "exhausted", 0, 10),)
+    assert d.credit_crossings == (CreditCrossing("g", "exhausted", 0, 10, "paid"),)
     # a refund back to 1 (10%) re-arms nothing; one back to 8 (80%) re-arms both
     first = await budget.usage(uid, now_ms=T0 + 5 * MIN, plan_name="free", events=10)
     nonces = {e.request_id: e.nonce for e in first.events}
@@ -361,9 +361,9 @@ async def test_credit_crossings_are_reported_once_and_rearmed(redis_client, uid)
     assert await budget.refund(uid, "e", nonce=d.nonce, now_ms=T0 + 6 * MIN)
     assert await budget.refund(uid, "a", nonce=nonces["a"], now_ms=T0 + 6 * MIN)
     d = await budget.reserve(uid, "f", 7, now_ms=T0 + 7 * MIN, plan_name="free")
-    assert d.credit_crossings == (CreditCrossing("g", "low", 1, 10),)
+    assert d.credit_crossings == (CreditCrossing("g", "low", 1, 10, "paid"),)
     d = await budget.reserve(uid, "g", 1, now_ms=T0 + 8 * MIN, plan_name="free")
-    assert d.credit_crossings == (CreditCrossing("g", "exhausted", 0, 10),)
+    assert d.credit_crossings == (CreditCrossing("g", "exhausted", 0, 10, "paid"),)
 
 
 async def test_a_resent_drawing_reserve_reports_the_same_draws(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
@@ -444,7 +444,7 @@ async def test_load_keeps_credit_flags_of_an_unchanged_grant(redis_client, uid) 
     await load(budget, uid, grant("g", 10), grant("h", 100))
     await fill_quota(budget, uid)
     d = await budget.reserve(uid, "a", 8, now_ms=T0 + 2 * MIN, plan_name="free")
-    assert d.credit_crossings == (CreditCrossing("g", "low", 2, 10),)
+    assert d.credit_crossings == (CreditCrossing("g", "low", 2, 10, "paid"),)
     await load(budget, uid, grant("g", 10, remaining=2), grant("h", 100), epoch=2)
     d = await budget.reserve(uid, "b", 1, now_ms=T0 + 3 * MIN, plan_name="free")
     assert d.draws == (("g", 1),) and d.credit_crossings == ()
@@ -568,8 +568,8 @@ async def test_references_with_separators_round_trip(redis_client, uid) -> None:
     await fill_quota(budget, uid)
     d = await budget.reserve(uid, "r", 10, now_ms=T0 + 2 * MIN, plan_name="free")
     assert d.draws == ((ref, 10),)
-    assert d.credit_crossings == (CreditCrossing(ref, "low", 0, 10),
-                                  CreditCrossing(ref, "exhausted", 0, 10))
+    assert d.credit_crossings == (CreditCrossing(ref, "low", 0, 10, "paid"),
+                                  CreditCrossing(ref, "exhausted", 0, 10, "paid"))
     d = await budget.reserve(uid, "s", 5, now_ms=T0 + 3 * MIN, plan_name="free")
     assert d.draws == (("x=3", 5),)
     assert d.credit_crossings == ()

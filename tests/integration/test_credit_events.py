@@ -113,9 +113,9 @@ async def test_low_then_exhausted_are_reported_once_each_and_published(
         made = events.credit_events(uid, d.plan_name, d.credit_crossings,
                                     low_percent=LOW_PERCENT)
         assert await publisher.publish(made) is True
-    assert seen == [(), (CreditCrossing("promo:welcome", "low", 2, 10),), (),
-                    (CreditCrossing("promo:welcome", "exhausted", 0, 10),)]
-    fields = {"user": uid, "plan": "free", "reference": "promo:welcome", "grant_kind": None,
+    assert seen == [(), (CreditCrossing("promo:welcome", "low", 2, 10, "promo"),), (),
+                    (CreditCrossing("promo:welcome", "exhausted", 0, 10, "promo"),)]
+    fields = {"user": uid, "plan": "free", "reference": "promo:welcome", "grant_kind": "promo",
               "tokens": 10, "low_percent": LOW_PERCENT}
     assert bus.received() == [(events.CREDIT_LOW, {**fields, "remaining": 2}),
                               (events.CREDIT_EXHAUSTED, {**fields, "remaining": 0})]
@@ -132,8 +132,8 @@ async def test_one_charge_emptying_a_grant_reports_low_and_exhausted(
                            LiveGrant("second", 100, 100, None, "paid"))
     d = await budget.reserve(uid, "big", 9, now_ms=T0 + 1, plan_name="free")
     assert d.draws == (("first", 5), ("second", 4))
-    assert d.credit_crossings == (CreditCrossing("first", "low", 0, 5),
-                                  CreditCrossing("first", "exhausted", 0, 5))
+    assert d.credit_crossings == (CreditCrossing("first", "low", 0, 5, "paid"),
+                                  CreditCrossing("first", "exhausted", 0, 5, "paid"))
     made = events.credit_events(uid, "free", d.credit_crossings, low_percent=LOW_PERCENT)
     assert [e.detail_type for e in made] == [events.CREDIT_LOW, events.CREDIT_EXHAUSTED]
 

@@ -242,12 +242,14 @@ class CreditCrossing:
             it) or ``exhausted`` (remaining reached 0).
         remaining: tokens left in the grant after the charge.
         tokens: the grant's amount.
+        grant_kind: the grant's kind, ``promo`` or ``paid``.
     """
 
     reference: str
     kind: CreditKind
     remaining: int
     tokens: int
+    grant_kind: str = ""
 
 
 @dataclass(frozen=True)
@@ -823,9 +825,10 @@ def _draws_record(record: Any) -> tuple[tuple[str, int], ...]:
 
 
 def _credit_crossing(item: str) -> CreditCrossing:
-    """One ``"<kind> <remaining> <tokens> <ref>"`` of the reserve script's ent string."""
-    kind, left, tokens, ref = item.split(" ", 3)
-    return CreditCrossing(ref, kind, int(left), int(tokens))  # type: ignore[arg-type]
+    """One ``"<kind> <remaining> <tokens> <grant kind> <ref>"`` of the reserve script's ent
+    string."""
+    kind, left, tokens, grant_kind, ref = item.split(" ", 4)
+    return CreditCrossing(ref, kind, int(left), int(tokens), grant_kind)  # type: ignore[arg-type]
 
 
 def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],

@@ -69,7 +69,8 @@ then, when this call charged and crossed thresholds, per crossing: window positi
                   credit  live credit after the call; -1 = not read (no draw, no reject)
                   susp    suspended until, ms (0 = until lifted); -1 = not suspended
                   draws   "<ref>=<n> <ref>=<n>" in draw order (may be empty)
-                  credit crossings  "<kind> <remaining> <tokens> <ref>;..." kind low|exhausted
+                  credit crossings  "<kind> <remaining> <tokens> <grant kind> <ref>;..." kind
+                                    low|exhausted, grant kind promo|paid
 A re-send reports the draws its first run made (from dr) and draws nothing more.
 ]]
 local log_key = KEYS[1]
@@ -174,7 +175,7 @@ ent_block = function()
   if credit_events then
     local items = {}
     for i, e in ipairs(credit_events) do
-      items[i] = string.format('%s %d %d %s', e[2], e[3], e[4], e[1])
+      items[i] = string.format('%s %d %d %s %s', e[2], e[3], e[4], e[5], e[1])
     end
     out = out .. table.concat(items, ';')
   end
@@ -302,12 +303,12 @@ if fits then
             and g.remaining * 100 <= low * g.tokens then
           g.flags = g.flags .. 'l'
           credit_events = credit_events or {}
-          credit_events[#credit_events + 1] = {g.ref, 'low', g.remaining, g.tokens}
+          credit_events[#credit_events + 1] = {g.ref, 'low', g.remaining, g.tokens, g.kind}
         end
         if g.remaining == 0 and not string.find(g.flags, 'x', 1, true) then
           g.flags = g.flags .. 'x'
           credit_events = credit_events or {}
-          credit_events[#credit_events + 1] = {g.ref, 'exhausted', 0, g.tokens}
+          credit_events[#credit_events + 1] = {g.ref, 'exhausted', 0, g.tokens, g.kind}
         end
         fields[#fields + 1] = 'g:' .. g.ref
         fields[#fields + 1] = G.more().grant_value(g)

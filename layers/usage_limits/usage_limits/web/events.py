@@ -215,8 +215,8 @@ def credit_events(user_id: str, plan_name: str, crossings: Sequence[GrantCrossin
         crossings: ``Reservation.credit_crossings``, in the order the script reported them.
         low_percent: the low share the ledger used (default: the web settings'
             ``credit_low_percent``, the value the environment's ledgers are made with).
-        grant_kinds: reference -> ``promo``/``paid``, for callers that know the grants;
-            a grant not in it (or none given) has ``grant_kind`` None.
+        grant_kinds: reference -> ``promo``/``paid``, overriding what a crossing says; a
+            crossing without a ``grant_kind`` of its own and not in it has None.
 
     Returns:
         The events, in the order of ``crossings``. A crossing of a kind other than
@@ -232,7 +232,8 @@ def credit_events(user_id: str, plan_name: str, crossings: Sequence[GrantCrossin
             obs.logger().warning("unknown credit crossing left out", extra={"kind": c.kind})
             continue
         out.append(made(user=user_id, plan=plan_name, reference=c.reference,
-                        grant_kind=kinds.get(c.reference), remaining=c.remaining,
+                        grant_kind=kinds.get(c.reference)
+                        or getattr(c, "grant_kind", None) or None, remaining=c.remaining,
                         tokens=c.tokens, low_percent=percent))
     return out
 

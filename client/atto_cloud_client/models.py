@@ -392,6 +392,7 @@ class SpendEvent:
         request_id: the ``Idempotency-Key`` (or request id) it is tied to.
         at: Unix time of the charge.
         from_grants: tokens of it drawn from credit grants, when the server reports it.
+        draws: (grant reference, tokens) for each grant it drew from, in draw order.
     """
 
     request_id: str
@@ -399,6 +400,17 @@ class SpendEvent:
     route: str
     at: float
     from_grants: int | None = None
+    draws: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def from_json(cls, e: Mapping[str, Any]) -> SpendEvent:
+        draws = tuple((str(d["reference"]), int(d["tokens"])) for d in e.get("draws") or []
+                      if isinstance(d, Mapping) and "reference" in d and "tokens" in d)
+        from_grants = _int(e.get("from_grants"))
+        if from_grants is None and "draws" in e:
+            from_grants = sum(n for _, n in draws)
+        return cls(e["request_id"], int(e["cost"]), e["route"], float(e["at"]), from_grants,
+                   draws)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -435,9 +447,7 @@ class Usage:
             windows=tuple(UsageWindow(int(w["limit"]), int(w["used"]), int(w["remaining"]),
                                       int(w["window_s"]), _float(w.get("resets_at")))
                           for w in obj["windows"]),
-            events=tuple(SpendEvent(e["request_id"], int(e["cost"]), e["route"], float(e["at"]),
-                                    _int(e.get("from_grants")))
-                         for e in obj["events"]),
+            events=tuple(SpendEvent.from_json(e) for e in obj["events"]),
             prices={str(k): v if isinstance(v, int) else str(v)
                     for k, v in obj["prices"].items()},
             plan=plan if isinstance(plan, str) else None,

@@ -150,7 +150,7 @@ def test_budget_exceeded_is_typed_with_its_window_and_not_retried(served: Served
     assert 3500 < error.retry_after_s <= 3600
     assert error.attempts == 1 and slept == []
     assert status.window("1h").remaining == 4 and status.remaining == 4
-    assert error.credit is None  # this server reports no credit yet
+    assert error.credit is not None and error.credit.remaining == 0  # no grant: no credit
     assert usage_of(served, user).windows[0].used == 96
 
 

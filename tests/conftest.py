@@ -70,10 +70,10 @@ DEFAULT_ENGINE = "redis7"
 EVERY_ENGINE_MODULES = ("test_budget_", "test_throttle", "test_connection", "test_fleet",
                         "test_servers")
 INTEGRATION = Path(__file__).parent / "integration"
-#: tests/integration modules (name prefixes) that measure time across processes under load
+#: tests/integration modules (file names) that measure time across processes under load
 #: (load runs, wake-up lateness, rates per second). Marked ``timing``: `make test` runs them
 #: after the others, one at a time, never beside other tests' processes.
-TIMING_MODULES = ("test_fleet", "test_throttle_processes", "test_serve")
+TIMING_MODULES = ("test_fleet.py", "test_throttle_processes.py", "test_serve.py")
 
 
 @functools.cache

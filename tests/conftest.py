@@ -101,6 +101,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="run the every-engine modules on this engine only (repeatable)")
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``-m timing`` alone (`make test`'s second part) collects only the timing modules."""
+    if (config.getoption("markexpr") == "timing" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and not timing_module(collection_path)):
+        return True
+    return None
+
+
 def pytest_collectstart(collector: pytest.Collector) -> None:
     """Every test of an every-engine module uses ``_engine_env``; a timing module's: ``timing``."""
     if isinstance(collector, pytest.Module) and on_every_engine(collector.path):

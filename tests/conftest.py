@@ -17,6 +17,10 @@ that engine (its reason in its docstring). ``--engine NAME`` narrows a run.
 ``fault_proxy`` (from ``tests/faultproxy.py``) puts a fault-injecting proxy in front of the
 standalone server.
 
+Under pytest-xdist (`make test`) a worker runs whole work units (``work_unit``: a module, in
+the every-engine modules a module per engine) and has its own session servers; the timing
+modules (``TIMING_MODULES``, marked ``timing``) run afterwards in a process of their own.
+
 Property tests use the Hypothesis profile named by ``ATTO_PROPERTY_PROFILE``: ``ci`` (the
 default: a fixed seed, so ``make test`` explores the same few thousand steps every run) or
 ``long`` (random seeds and many more examples; ``make fleet`` runs it).

@@ -59,9 +59,20 @@ redis-server: ## Install Debian's redis-server when it is missing.
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null; }
 	@# Debian's package starts a system redis on 6379; the project never uses it.
 
+# `make test` runs the suite in two parts: every test but the timing ones in TEST_WORKERS
+# pytest-xdist workers (the suite mostly waits on servers and subprocesses; each module, per
+# engine, runs in one worker), then the timing tests (`-m timing`: load runs, rates and
+# wake-ups measured across processes) alone, one at a time. Both parts always run.
+TEST_WORKERS ?= 2
+
 .PHONY: test
-test: $(STAMP) redis-server tools checkov-tools ## Run every test (starts its own servers: Redis 7 and Valkey 8).
-	$(PY) -m pytest
+test: $(STAMP) redis-server tools checkov-tools ## Run every test: TEST_WORKERS=2 workers, then the timing tests alone (Redis 7 and Valkey 8).
+	@status=0; \
+	echo "$(PY) -m pytest -n $(TEST_WORKERS) -m 'not timing'"; \
+	$(PY) -m pytest -n $(TEST_WORKERS) -m 'not timing' || status=$$?; \
+	echo "$(PY) -m pytest -m timing"; \
+	$(PY) -m pytest -m timing || status=$$?; \
+	exit $$status
 
 .PHONY: serve
 serve: $(STAMP) redis-server ## Run the API locally (PORT=8000, WORKERS=1).

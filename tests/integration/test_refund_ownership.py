@@ -13,48 +13,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from fastapi import Depends
-from fastapi.responses import JSONResponse
-from mangum import Mangum
 
 from local.lambda_events import http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
 from tests.faultproxy import Fault, FaultProxy, script_sha
+from tests.metered import handler, metered_app
 from usage_limits._scripts import script
 from usage_limits.connection import redis_from_env
 from usage_limits.web import (
-    create_app,
-    current_user,
     idempotency,
     refunds,
-    require_tokens,
     runtime,
     settings,
 )
-from usage_limits.web.runtime import get_budget
 
 RESERVE = script_sha(script("budget_reserve").sha)
 REFUND = script_sha(script("budget_refund").sha)
-
-
-def build_app() -> Any:
-    app = create_app("refund ownership test")
-
-    @app.post("/ok", dependencies=[Depends(require_tokens(cost=5))])
-    async def ok() -> dict[str, bool]:
-        return {"ok": True}
-
-    @app.post("/fails", dependencies=[Depends(require_tokens(cost=5))])
-    async def fails() -> JSONResponse:
-        return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
-                            status_code=502)
-
-    @app.get("/used")
-    async def used(user: str = Depends(current_user)) -> dict[str, int]:
-        report = await get_budget(settings().plan).usage(user)
-        return {"used": report.windows[0].used}
-
-    return Mangum(app, lifespan="off")
 
 
 @dataclass
@@ -111,7 +85,8 @@ def fleet(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
     faulty = Environment(redis_from_env(url=fault_proxy.url, retries=1, socket_timeout_s=0.25))
     direct = Environment(redis_from_env(url=redis_server.url, retries=1, socket_timeout_s=2.0))
     with lambda_loop():
-        yield Fleet(build_app(), faulty, direct, fault_proxy)
+        yield Fleet(handler(metered_app("refund ownership test")), faulty, direct,
+                    fault_proxy)
     runtime.set_redis(None)
     settings.cache_clear()
     idempotency.reset()

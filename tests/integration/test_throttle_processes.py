@@ -53,8 +53,9 @@ async def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"grants": [], "busy": [], "holds": []}
 
     if cfg["mode"] == "hold":  # take a lease and never give it back (the test kills us)
+        asked_at = time.time()  # the lease is taken between this and held_at
         async with th.slot(max_wait_s=5):
-            print(json.dumps({"held_at": time.time()}), flush=True)
+            print(json.dumps({"asked_at": asked_at, "held_at": time.time()}), flush=True)
             await asyncio.sleep(3600)
 
     async def rate_task(k: int) -> None:
@@ -254,7 +255,8 @@ def test_killed_lease_holder_frees_its_slot_after_the_lease(nodes: dict[str, Any
         victim, others = workers.procs[0], workers.procs[1:]
         workers.go([victim], time.time(), time.time() + 60)
         assert victim.stdout is not None
-        held_at = json.loads(victim.stdout.readline())["held_at"]
+        held = json.loads(victim.stdout.readline())
+        asked_at, held_at = held["asked_at"], held["held_at"]
         victim.send_signal(signal.SIGKILL)  # no finally, no release: only the lease expiry
         assert victim.wait(10) == -signal.SIGKILL
         start = time.time() + 0.1
@@ -264,12 +266,14 @@ def test_killed_lease_holder_frees_its_slot_after_the_lease(nodes: dict[str, Any
         workers.close()
 
     holds = [h for r in results for h in r["holds"]]
-    expiry = held_at + lease_s  # the victim's lease ended by then at the latest
+    # The victim's lease was taken between asked_at and held_at, so it was alive from
+    # held_at until asked_at + lease_s at least, and over by held_at + lease_s at the latest.
+    alive_until, expiry = asked_at + lease_s, held_at + lease_s
     assert max_overlap(holds) <= 2
-    assert max_overlap([[max(a, held_at), min(b, expiry - 0.005)]
-                        for a, b in holds if a < expiry - 0.005]) <= 1, \
+    assert max_overlap([[max(a, held_at), min(b, alive_until - 0.005)]
+                        for a, b in holds if a < alive_until - 0.005]) <= 1, \
         "a second worker got in while the dead process's lease was alive"
-    assert any(a < expiry for a, _ in holds), "the free lease was used meanwhile"
+    assert any(a < alive_until for a, _ in holds), "the free lease was used meanwhile"
     assert max_overlap([h for h in holds if h[0] >= expiry]) == 2, "the lease never came back"
 
 

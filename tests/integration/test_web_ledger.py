@@ -11,36 +11,25 @@ from typing import Any
 import pytest
 from fastapi import Depends
 from fastapi.responses import JSONResponse
-from mangum import Mangum
 
 from local.lambda_events import FakeContext, http_event, invoke
 from local.redis_servers import RedisServer
 from tests.conftest import StartEnvironment
 from tests.faultproxy import Fault, FaultProxy, script_sha
+from tests.metered import handler, metered_app
 from usage_limits import TokenBudget, Window
 from usage_limits._scripts import script
 from usage_limits.connection import redis_from_env
 from usage_limits.deadline import remaining_s
-from usage_limits.web import create_app, current_user, refunds, require_tokens
-from usage_limits.web import settings as web_settings
+from usage_limits.web import refunds, require_tokens
 from usage_limits.web.charge import Charge
-from usage_limits.web.runtime import get_budget
 
 usage_fn = importlib.import_module("functions.usage.app")
 REFUND = script_sha(script("budget_refund").sha)
 
 
 def build_app() -> Any:
-    app = create_app("web ledger test")
-
-    @app.post("/costs-5", dependencies=[Depends(require_tokens(cost=5))])
-    async def costs_5() -> dict[str, bool]:
-        return {"ok": True}
-
-    @app.post("/fails", dependencies=[Depends(require_tokens(cost=5))])
-    async def fails() -> JSONResponse:
-        return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
-                            status_code=502)
+    app = metered_app("web ledger test", ok="/costs-5")
 
     @app.post("/fails-at-deadline", dependencies=[Depends(require_tokens(cost=5))])
     async def fails_at_deadline() -> JSONResponse:
@@ -48,12 +37,7 @@ def build_app() -> Any:
         return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
                             status_code=502)
 
-    @app.get("/used")
-    async def used(user: str = Depends(current_user)) -> dict[str, int]:
-        report = await get_budget(web_settings().plan).usage(user)
-        return {"used": report.windows[0].used}
-
-    return Mangum(app, lifespan="off")
+    return handler(app)
 
 
 @pytest.fixture

@@ -9,37 +9,25 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fastapi import Depends
-from fastapi.responses import JSONResponse
-from mangum import Mangum
 
-from local.lambda_events import fresh_environment, http_event, invoke, lambda_loop
+from local.lambda_events import http_event, invoke
 from local.redis_servers import RedisServer
-from usage_limits.web import create_app, require_tokens
+from tests.conftest import StartEnvironment
+from tests.metered import handler, metered_app
 from usage_limits.web import observability as obs
 
 
 def _handler() -> Any:
-    app = create_app("metrics test")
-
-    @app.post("/ok", dependencies=[Depends(require_tokens(cost=5))])
-    async def ok() -> dict[str, bool]:
-        return {"ok": True}
-
-    @app.post("/fails", dependencies=[Depends(require_tokens(cost=5))])
-    async def fails() -> JSONResponse:
-        return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
-                            status_code=502)
-
-    return Mangum(app, lifespan="off")
+    return handler(metered_app("metrics test"))
 
 
-def _environment(monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
-    for name, value in {"REDIS_URL": redis_url, "ATTO_BUDGET": "10/1h", "ATTO_ENV": "dev",
-                        "POWERTOOLS_SERVICE_NAME": "metered"}.items():
-        monkeypatch.setenv(name, value)
-    for name in ("POWERTOOLS_METRICS_DISABLED", "POWERTOOLS_DEV", "ATTO_EVENT_BUS"):
-        monkeypatch.delenv(name, raising=False)
+def _environment(redis_url: str) -> dict[str, str]:
+    """The metered function's variables: metrics on (no bus)."""
+    return {"REDIS_URL": redis_url, "ATTO_BUDGET": "10/1h", "ATTO_ENV": "dev",
+            "POWERTOOLS_SERVICE_NAME": "metered"}
+
+
+UNSET = ("POWERTOOLS_METRICS_DISABLED", "POWERTOOLS_DEV", "ATTO_EVENT_BUS")
 
 
 @pytest.fixture
@@ -56,13 +44,10 @@ def emf(capsys: pytest.CaptureFixture[str]) -> Any:
 
 
 @pytest.fixture
-def web(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer) -> Iterator[Any]:
+def web(lambda_env: StartEnvironment, redis_server: RedisServer) -> Iterator[Any]:
     """The metered app over the session's redis-server, metrics on."""
-    _environment(monkeypatch, redis_server.url)
-    fresh_environment()
-    with lambda_loop():
-        yield _handler()
-    fresh_environment()
+    lambda_env(_environment(redis_server.url), unset=UNSET)
+    yield _handler()
 
 
 def _values(line: dict[str, Any], name: str) -> float:
@@ -94,19 +79,14 @@ def test_a_failed_request_counts_the_error_and_the_refund(web: Any, emf: Any) ->
 
 
 def test_an_unreachable_limiter_counts_unavailable_and_a_kept_refund(
-        monkeypatch: pytest.MonkeyPatch, emf: Any) -> None:
+        lambda_env: StartEnvironment, emf: Any) -> None:
     """Redis down: the 503 limiter_unavailable is counted, and so is the refund kept for later."""
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    _environment(monkeypatch, f"redis://127.0.0.1:{closed}")
-    monkeypatch.setenv("REDIS_SOCKET_TIMEOUT_S", "0.2")
-    fresh_environment()
-    try:
-        with lambda_loop():
-            res = invoke(_handler(), http_event("POST", "/ok", body={}, user="u"))
-    finally:
-        fresh_environment()
+    lambda_env({**_environment(f"redis://127.0.0.1:{closed}"), "REDIS_SOCKET_TIMEOUT_S": "0.2"},
+               unset=UNSET)
+    res = invoke(_handler(), http_event("POST", "/ok", body={}, user="u"))
     assert res.status == 503 and res.body["error"]["code"] == "limiter_unavailable"
     (line,) = emf()
     assert _values(line, obs.LIMITER_UNAVAILABLE) == 1

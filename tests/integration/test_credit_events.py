@@ -22,6 +22,7 @@ from moto.server import ThreadedMotoServer
 
 from local.lambda_events import fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
+from tests.eventbus import EventBus
 from usage_limits import TokenBudget, Window
 from usage_limits.budget import CreditCrossing, LiveGrant
 from usage_limits.web import create_app, events
@@ -47,41 +48,22 @@ def moto_endpoint() -> Iterator[str]:
     server.stop()
 
 
-class Bus:
-    """A fresh EventBridge bus whose ``atto.cloud`` events land in an SQS queue."""
+def _bus(endpoint: str) -> EventBus:
+    """A fresh bus on moto's server, read back through its queue."""
+    return EventBus(f"credit-{uuid.uuid4().hex[:12]}", endpoint=endpoint)
 
-    def __init__(self, endpoint: str) -> None:
-        self.name = f"credit-{uuid.uuid4().hex[:12]}"
-        self.endpoint = endpoint
-        self.events = boto3.client("events", endpoint_url=endpoint, **AWS)
-        self.sqs = boto3.client("sqs", endpoint_url=endpoint, **AWS)
-        self.events.create_event_bus(Name=self.name)
-        self.queue = self.sqs.create_queue(QueueName=self.name)["QueueUrl"]
-        arn = self.sqs.get_queue_attributes(QueueUrl=self.queue, AttributeNames=["QueueArn"])
-        self.events.put_rule(Name=self.name, EventBusName=self.name,
-                             EventPattern=json.dumps({"source": [events.SOURCE]}))
-        self.events.put_targets(Rule=self.name, EventBusName=self.name, Targets=[
-            {"Id": "queue", "Arn": arn["Attributes"]["QueueArn"]}])
 
-    def publisher(self) -> events.EventPublisher:
-        """A publisher to this bus (a generous bound: the machine is shared)."""
-        return events.EventPublisher(events.EventSettings(bus=self.name, timeout_s=10),
-                                     client=self.events)
+def _publisher(bus: EventBus) -> events.EventPublisher:
+    """A publisher to ``bus`` (a generous bound: the machine is shared)."""
+    return events.EventPublisher(events.EventSettings(bus=bus.name, timeout_s=10),
+                                 client=bus.events)
 
-    def received(self) -> list[tuple[str, dict[str, Any]]]:
-        """(detail-type, detail) of every event published since the last call."""
-        out: list[tuple[str, dict[str, Any]]] = []
-        while True:
-            batch = self.sqs.receive_message(QueueUrl=self.queue, MaxNumberOfMessages=10)
-            messages = batch.get("Messages", [])
-            if not messages:
-                return out
-            for message in messages:
-                body = json.loads(message["Body"])
-                assert body["source"] == events.SOURCE
-                out.append((body["detail-type"], body["detail"]))
-                self.sqs.delete_message(QueueUrl=self.queue,
-                                        ReceiptHandle=message["ReceiptHandle"])
+
+def _received(bus: EventBus) -> list[tuple[str, dict[str, Any]]]:
+    """(detail-type, detail) of every event published since the last call."""
+    got = bus.received()
+    assert all(e["source"] == events.SOURCE for e in got), got
+    return [(e["detail-type"], e["detail"]) for e in got]
 
 
 def _budget(client: Any) -> TokenBudget:
@@ -102,8 +84,8 @@ async def test_low_then_exhausted_are_reported_once_each_and_published(
         redis_client: Any, moto_endpoint: str, uid: str) -> None:
     """A draw taking a grant to 20% reports one low crossing, the one emptying it one
     exhausted crossing; each becomes one event on the bus, with the grant's fields."""
-    budget, bus = _budget(redis_client), Bus(moto_endpoint)
-    publisher = bus.publisher()
+    budget, bus = _budget(redis_client), _bus(moto_endpoint)
+    publisher = _publisher(bus)
     await _with_quota_used(budget, uid, LiveGrant("promo:welcome", 10, 10, None, "promo"))
     seen: list[tuple[CreditCrossing, ...]] = []
     for i, cost in enumerate((7, 1, 1, 1)):  # the grant goes 10 -> 3 -> 2 -> 1 -> 0
@@ -117,7 +99,7 @@ async def test_low_then_exhausted_are_reported_once_each_and_published(
                     (CreditCrossing("promo:welcome", "exhausted", 0, 10, "promo"),)]
     fields = {"user": uid, "plan": "free", "reference": "promo:welcome", "grant_kind": "promo",
               "tokens": 10, "low_percent": LOW_PERCENT}
-    assert bus.received() == [(events.CREDIT_LOW, {**fields, "remaining": 2}),
+    assert _received(bus) == [(events.CREDIT_LOW, {**fields, "remaining": 2}),
                               (events.CREDIT_EXHAUSTED, {**fields, "remaining": 0})]
     rejected = await budget.reserve(uid, "r-over", 1, now_ms=T0 + 9, plan_name="free")
     assert (rejected.status, rejected.credit_crossings) == ("rejected", ())
@@ -173,7 +155,7 @@ async def test_eight_processes_drawing_one_grant_cross_low_and_exhausted_once(
         redis_server: RedisServer, standalone_client: Any, moto_endpoint: str) -> None:
     """8 processes race 120 one-token draws on a 100-token grant: exactly 100 are charged,
     and exactly one low and one exhausted crossing (and event) come out of all of them."""
-    user, bus = uuid.uuid4().hex, Bus(moto_endpoint)
+    user, bus = uuid.uuid4().hex, _bus(moto_endpoint)
     await _with_quota_used(_budget(standalone_client), user,
                            LiveGrant("inv-42", 100, 100, None, "paid"))
     ctx = mp.get_context("spawn")
@@ -192,7 +174,7 @@ async def test_eight_processes_drawing_one_grant_cross_low_and_exhausted_once(
     assert statuses.count("charged") == 100 and statuses.count("rejected") == 20
     assert crossings == [("inv-42", "exhausted", 0, 100), ("inv-42", "low", 20, 100)]
     assert all(r[2] for r in results)
-    got = sorted((kind, d["remaining"]) for kind, d in bus.received())
+    got = sorted((kind, d["remaining"]) for kind, d in _received(bus))
     assert got == [(events.CREDIT_EXHAUSTED, 0), (events.CREDIT_LOW, 20)]
 
 

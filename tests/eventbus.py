@@ -4,13 +4,28 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import boto3
+import pytest
 
 from usage_limits.web import events
 
 REGION = "us-east-1"
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    """moto's AWS as a server on a free local port, for one module (processes and handlers
+    the test starts reach it by URL)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
 
 
 class EventBus:

@@ -11,41 +11,22 @@ refunded or lowered that was not this caller's, and the totals are exact afterwa
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
-import redis.asyncio as aioredis
 
 from local.redis_servers import RedisServer
-from tests.faultproxy import Fault, FaultProxy, script_sha
-from usage_limits import LimiterUnavailable, TokenBudget, Window
-from usage_limits._scripts import script
+from tests.faultproxy import Fault, FaultProxy
+from tests.ledger_rig import CASES, IDS, RUNS, LedgerRig, ledger_rig
+from usage_limits import LimiterUnavailable, Window
 from usage_limits.budget import new_nonce
-from usage_limits.connection import redis_from_env
 
 T0 = 1_700_000_000_000
 PLAN = [Window(limit=50, seconds=60), Window(limit=200, seconds=3600)]
-SOCKET_TIMEOUT_S = 0.25
-#: Faults and whether the script ran on Redis before the client lost it.
-RUNS = {Fault.DROP_COMMAND: False, Fault.CUT_COMMAND: False, Fault.DROP_REPLY: True,
-        Fault.DELAY: True, Fault.CUT_REPLY: True, Fault.DUPLICATE: True}
-CASES = [(fault, times) for fault in Fault for times in (1, 2)
-         if not (fault is Fault.DUPLICATE and times == 2)]  # a duplicate never fails a call
-IDS = [f"{f.value}x{t}" for f, t in CASES]
 
 
-@dataclass
-class Rig:
-    faulty: TokenBudget  # through the proxy, configured as production
-    direct: TokenBudget  # straight to Redis: what the ledger really holds
-    proxy: FaultProxy
-    user: str
-
-    def arm(self, name: str, fault: Fault, times: int) -> None:
-        self.proxy.inject(fault, match=script_sha(script(name).sha), times=times,
-                          delay_s=2 * SOCKET_TIMEOUT_S)
+class Rig(LedgerRig):
+    """A fresh user's ledger, faulty and direct."""
 
     async def used(self) -> list[int]:
         return [w.used for w in (await self.direct.usage(self.user, now_ms=T0 + 10)).windows]
@@ -58,16 +39,8 @@ class Rig:
 @pytest.fixture
 async def rig(redis_server: RedisServer, fault_proxy: FaultProxy) -> AsyncIterator[Rig]:
     """A faulty and a direct ledger over the same redis-server, and a fresh user."""
-    faulty_client = redis_from_env(url=fault_proxy.url, retries=1,
-                                   socket_timeout_s=SOCKET_TIMEOUT_S)
-    direct_client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5)
-    try:
-        yield Rig(TokenBudget(faulty_client, PLAN), TokenBudget(direct_client, PLAN),
-                  fault_proxy, uuid.uuid4().hex)
-    finally:
-        fault_proxy.clear()
-        await faulty_client.aclose()
-        await direct_client.aclose()
+    async with ledger_rig(Rig, redis_server.port, fault_proxy, PLAN) as made:
+        yield made
 
 
 async def _other_caller_charges(rig: Rig, rid: str, cost: int) -> bool:

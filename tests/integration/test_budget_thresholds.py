@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from fastapi import Depends
-from moto.server import ThreadedMotoServer
 
 from local.lambda_events import fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
@@ -27,16 +26,6 @@ from usage_limits.web import events, require_tokens
 PROCESSES = 8
 AWS_ENV = {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    """moto's AWS as a server on a free local port, for this module."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 def _environment(redis_url: str, endpoint: str, bus: str, budget: str) -> dict[str, str]:

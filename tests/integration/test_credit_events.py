@@ -13,12 +13,10 @@ import asyncio
 import json
 import multiprocessing as mp
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from local.lambda_events import fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
@@ -36,16 +34,6 @@ AWS = {"region_name": "us-east-1", "aws_access_key_id": "testing",
        "aws_secret_access_key": "testing"}
 AWS_ENV = {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    """moto's AWS as a server on a free local port, for this module."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 def _bus(endpoint: str) -> EventBus:

@@ -44,7 +44,7 @@ FAILURE_RATE = 0.05
 #: eight first requests at once on two cores hold each other up past any jitter allowance.
 STAGGER_S = 0.25
 #: Seconds of traffic, at least, after the last fault has ended.
-RECOVERY_TAIL_S = 3.0
+RECOVERY_TAIL_S = 6.0
 CHEAP_FAULTS = ["redis-restart", "script-flush", "redis-slow", "upstream-5xx", "upstream-429",
                 "kill-lease-holder", "upstream-latency", "ledger-refused"]
 

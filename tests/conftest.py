@@ -52,6 +52,7 @@ from local.redis_servers import (
     engine_at,
     valkey_engine,
 )
+from tests.breakable import breakable_server  # noqa: F401  (a fixture)
 from tests.eventbus import moto_endpoint  # noqa: F401  (a fixture)
 from tests.faultproxy import fault_proxy  # noqa: F401  (a fixture)
 

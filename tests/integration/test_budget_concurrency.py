@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing as mp
 import random
 from typing import Any
 
 import pytest
-from redis.asyncio.cluster import RedisCluster
 
+from tests.processes import Target, client_for, run_processes, target_of
 from usage_limits import TokenBudget, Window
 
 PLAN = [(200, 3600.0), (300, 86_400.0)]  # (limit, seconds): the 200-token window binds
@@ -17,21 +15,10 @@ PROCESSES = 8
 MAX_COST = 10
 
 
-def _client(target: tuple[str, list[tuple[str, int]]]) -> Any:
-    import redis.asyncio as aioredis
-    from redis.asyncio.cluster import ClusterNode
-
-    kind, nodes = target
-    if kind == "cluster":
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                            socket_timeout=5.0)
-    return aioredis.Redis(host=nodes[0][0], port=nodes[0][1], socket_timeout=5.0)
-
-
-async def _reserve_until_full(target: tuple[str, list[tuple[str, int]]], user: str, seed: int,
+async def _reserve_until_full(target: Target, user: str, *, seed: int,
                               start: Any) -> list[tuple[str, int]]:
     """Reserve random costs until the budget has no token left; return what was admitted."""
-    client = _client(target)
+    client = client_for(target)
     budget = TokenBudget(client, [Window(limit, seconds) for limit, seconds in PLAN])
     rng = random.Random(seed)
     admitted = []
@@ -50,36 +37,11 @@ async def _reserve_until_full(target: tuple[str, list[tuple[str, int]]], user: s
     return admitted
 
 
-def _worker(target: tuple[str, list[tuple[str, int]]], user: str, seed: int, start: Any,
-            out: Any) -> None:
-    try:
-        out.put((seed, asyncio.run(_reserve_until_full(target, user, seed, start))))
-    except BaseException as exc:  # report, so the test fails instead of waiting
-        out.put((seed, repr(exc)))
-
-
 @pytest.mark.slow
 async def test_processes_never_overspend_a_shared_budget(redis_client, request, uid) -> None:  # type: ignore[no-untyped-def]
     """Eight processes with their own clients fill one user's budget exactly, never beyond it."""
-    if isinstance(redis_client, RedisCluster):
-        target = ("cluster", request.getfixturevalue("redis_cluster").startup_nodes)
-    else:
-        target = ("standalone", [("127.0.0.1", request.getfixturevalue("redis_server").port)])
-    ctx = mp.get_context("spawn")
-    start, out = ctx.Barrier(PROCESSES), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(target, uid, seed, start, out))
-             for seed in range(PROCESSES)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    failures = {seed: r for seed, r in results.items() if isinstance(r, str)}
-    assert not failures
+    target = target_of(redis_client, request)
+    results = run_processes(_reserve_until_full, target, uid, processes=PROCESSES)
     admitted = [item for r in results.values() for item in r]
     total = sum(cost for _, cost in admitted)
     limit = min(limit for limit, _ in PLAN)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing as mp
 import random
 from typing import Any
 
 import pytest
-from redis.asyncio.cluster import RedisCluster
 
+from tests.processes import Target, client_for, run_processes, target_of
 from usage_limits import TokenBudget, Window
 from usage_limits.budget import LiveGrant
 
@@ -25,21 +23,10 @@ def _budget(client: Any) -> TokenBudget:
                        entitlements=True)
 
 
-def _client(target: tuple[str, list[tuple[str, int]]]) -> Any:
-    import redis.asyncio as aioredis
-    from redis.asyncio.cluster import ClusterNode
-
-    kind, nodes = target
-    if kind == "cluster":
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                            socket_timeout=5.0)
-    return aioredis.Redis(host=nodes[0][0], port=nodes[0][1], socket_timeout=5.0)
-
-
-async def _draw_until_empty(target: tuple[str, list[tuple[str, int]]], user: str, seed: int,
+async def _draw_until_empty(target: Target, user: str, *, seed: int,
                             start: Any) -> list[tuple[str, int, int]]:
     """Reserve random costs until the grant has no credit left; (id, cost, drawn) admitted."""
-    client = _client(target)
+    client = client_for(target)
     budget = _budget(client)
     rng = random.Random(seed)
     admitted = []
@@ -58,40 +45,15 @@ async def _draw_until_empty(target: tuple[str, list[tuple[str, int]]], user: str
     return admitted
 
 
-def _worker(target: tuple[str, list[tuple[str, int]]], user: str, seed: int, start: Any,
-            out: Any) -> None:
-    try:
-        out.put((seed, asyncio.run(_draw_until_empty(target, user, seed, start))))
-    except BaseException as exc:  # report, so the test fails instead of waiting
-        out.put((seed, repr(exc)))
-
-
 @pytest.mark.slow
 async def test_processes_never_overdraw_a_shared_grant(redis_client, request, uid) -> None:  # type: ignore[no-untyped-def]
     """Eight processes draw exactly a 60-token grant's credit, never more."""
-    if isinstance(redis_client, RedisCluster):
-        target = ("cluster", request.getfixturevalue("redis_cluster").startup_nodes)
-    else:
-        target = ("standalone", [("127.0.0.1", request.getfixturevalue("redis_server").port)])
+    target = target_of(redis_client, request)
     budget = _budget(redis_client)
     assert await budget.load_entitlements(uid, epoch=1, plan=None, suspended_until_ms=None,
                                           grants=[LiveGrant("small", GRANT, GRANT, None, "paid")])
     assert (await budget.reserve(uid, "fill", 20)).drawn == 0  # the quota is now full
-    ctx = mp.get_context("spawn")
-    start, out = ctx.Barrier(PROCESSES), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(target, uid, seed, start, out))
-             for seed in range(PROCESSES)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    failures = {seed: r for seed, r in results.items() if isinstance(r, str)}
-    assert not failures
+    results = run_processes(_draw_until_empty, target, uid, processes=PROCESSES)
     admitted = [item for r in results.values() for item in r]
     assert all(cost == drawn for _, cost, drawn in admitted)
     drawn = sum(n for _, _, n in admitted)

@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from local.redis_servers import RedisServer
+from tests.breakable import outcomes
 from tests.conftest import StartEnvironment
 from usage_limits import LimiterUnavailable, TokenBudget, Window
 from usage_limits._scripts import error_kind, script
@@ -40,20 +41,13 @@ async def _every_call(budget: TokenBudget, user: str, nonce: str) -> dict[str, o
              "refund": lambda: budget.refund(user, "r1", nonce=nonce),
              "settle": lambda: budget.settle(user, "r1", 1, nonce=nonce),
              "usage": lambda: budget.usage(user, now_ms=T0 + 2)}
-    out: dict[str, object] = {}
-    for name, call in calls.items():
-        try:
-            out[name] = await call()
-        except Exception as exc:  # noqa: BLE001 - the test looks at what was raised
-            out[name] = exc
-    return out
+    return await outcomes(calls)
 
 
 @pytest.fixture
-def server() -> Iterator[RedisServer]:
-    """A private redis-server of this test, which it may break."""
-    with RedisServer() as srv:
-        yield srv
+def server(breakable_server: RedisServer) -> RedisServer:
+    """The test's own redis-server, which it may break."""
+    return breakable_server
 
 
 @pytest.fixture

@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
 from local.redis_servers import RedisServer
+from tests.breakable import outcomes
 from usage_limits import LimiterUnavailable, ProviderThrottle
 from usage_limits._scripts import error_kind
 from usage_limits.keys import provider_keys
@@ -59,20 +60,13 @@ async def _every_script(throttle: ProviderThrottle) -> dict[str, object]:
     calls = {"acquire": lambda: throttle.acquire(max_wait_s=0.5),
              "pause": lambda: throttle.pause(1.0),
              "lease": lease}
-    out: dict[str, object] = {}
-    for name, call in calls.items():
-        try:
-            out[name] = await call()
-        except Exception as exc:  # noqa: BLE001 - the test looks at what was raised
-            out[name] = exc
-    return out
+    return await outcomes(calls)
 
 
 @pytest.fixture
-def server() -> Iterator[RedisServer]:
-    """A private redis-server of this test, which it may break."""
-    with RedisServer() as srv:
-        yield srv
+def server(breakable_server: RedisServer) -> RedisServer:
+    """The test's own redis-server, which it may break."""
+    return breakable_server
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from tests.breakable import outcomes
 from tests.conftest import StartEnvironment
 from usage_limits import LimiterUnavailable, TokenBudget, Window
 from usage_limits._scripts import error_kind, script
+from usage_limits.budget import LiveGrant
 from usage_limits.keys import user_keys
 
 T0 = 1_700_000_000_000
@@ -176,3 +177,102 @@ def test_out_of_memory_answers_503_with_retry_after(server: RedisServer,
         assert res.status == 503, res.body
         assert res.body["error"]["code"] == "limiter_unavailable"
         assert int(res.headers["retry-after"]) >= 1
+
+
+GRANT_PLAN = [Window(limit=10, seconds=60)]
+
+
+@pytest.fixture
+async def drawn(server: RedisServer) -> AsyncIterator[tuple[TokenBudget, str, str]]:
+    """A budget with entitlements over ``server``: the user's quota is full and one charge
+    ("d1", 4 tokens) drew from a 10-token grant."""
+    client = _client(server.port)
+    budget = TokenBudget(client, GRANT_PLAN, entitlements=True)
+    user = uuid.uuid4().hex
+    assert await budget.load_entitlements(user, epoch=1, plan=None, suspended_until_ms=None,
+                                          grants=[LiveGrant("g", 10, 10, None, "paid")])
+    assert (await budget.reserve(user, "fill", 10, now_ms=T0)).drawn == 0
+    d = await budget.reserve(user, "d1", 4, now_ms=T0 + 1)
+    assert d.drawn == 4
+    try:
+        yield budget, user, d.nonce
+    finally:
+        await client.aclose()
+
+
+async def _every_entitlements_call(budget: TokenBudget, user: str,
+                                   nonce: str) -> dict[str, object]:
+    """Run each script of the entitlements path once; what each raised (or returned)."""
+    grant = LiveGrant("g", 10, 10, None, "paid")
+    return await outcomes({
+        "reserve": lambda: budget.reserve(user, "d2", 2, now_ms=T0 + 2),
+        "refund": lambda: budget.refund(user, "d1", nonce=nonce, now_ms=T0 + 2),
+        "settle": lambda: budget.settle(user, "d1", 1, nonce=nonce, now_ms=T0 + 2),
+        "usage": lambda: budget.usage(user, now_ms=T0 + 2),
+        "load": lambda: budget.load_entitlements(user, epoch=2, plan=None,
+                                                 suspended_until_ms=None, grants=[grant]),
+        "invalidate": lambda: budget.invalidate_entitlements(user, epoch=3)})
+
+
+async def _state(budget: TokenBudget, user: str) -> tuple[object, ...]:
+    """What a caller can see of the user: loaded, epoch, credit, windows and draws."""
+    u = await budget.usage(user, now_ms=T0 + 3)
+    return (u.loaded, u.epoch, tuple((g.reference, g.remaining) for g in u.grants),
+            tuple(w.used for w in u.windows), tuple((e.request_id, e.cost, e.draws)
+                                                    for e in u.events))
+
+
+async def test_entitlements_scripts_out_of_memory_change_nothing(
+        server: RedisServer, drawn: tuple[TokenBudget, str, str]) -> None:
+    """Under maxmemory with noeviction, a drawing reserve, a credit-returning refund and
+    settle and usage each raise LimiterUnavailable of kind OOM, and the grant, the windows
+    and the draws are as they were. A load and an invalidation (whose first write frees
+    memory, so Redis lets them go on) are all or nothing: refused, or done whole."""
+    budget, user, nonce = drawn
+    before = await _state(budget, user)
+    assert before[2] == (("g", 6),)
+    await budget.redis.config_set("maxmemory-policy", "noeviction")
+    await budget.redis.config_set("maxmemory", "1")
+    try:
+        out = await _every_entitlements_call(budget, user, nonce)
+        loaded, invalidated = out.pop("load"), out.pop("invalidate")
+    finally:
+        await budget.redis.config_set("maxmemory", "0")
+    for name in ("reserve", "refund", "settle", "usage"):
+        assert isinstance(out[name], LimiterUnavailable), (name, out[name])
+        assert error_kind(out[name].__cause__) == "OOM", name  # type: ignore[arg-type]
+    for result in (loaded, invalidated):
+        assert result in (True, None) or (isinstance(result, LimiterUnavailable) and error_kind(
+            result.__cause__) == "OOM"), result  # type: ignore[arg-type]
+    after = await _state(budget, user)
+    assert after[3:] == before[3:]  # the ledger's windows and draws are untouched
+    if invalidated is None:  # done whole: no copy until the next load
+        assert after[0] is False
+    elif loaded is True:  # the whole copy of epoch 2
+        assert after[:3] == (True, 2, (("g", 10),))
+    else:
+        assert after == before
+
+
+async def test_entitlements_scripts_on_a_replica_are_readonly(
+        server: RedisServer, drawn: tuple[TokenBudget, str, str]) -> None:
+    """On a replica every script of the entitlements path raises LimiterUnavailable of kind
+    READONLY, and the primary's grant, windows and draws are unchanged."""
+    budget, user, nonce = drawn
+    before = await _state(budget, user)
+    with RedisServer(extra=["--replicaof", "127.0.0.1", str(server.port)]) as replica:
+        client = _client(replica.port)
+        try:
+            deadline = time.monotonic() + 10
+            while (await client.info("replication")).get("master_link_status") != "up":
+                assert time.monotonic() < deadline, "the replica never synced"
+                await asyncio.sleep(0.05)
+            assert await budget.redis.wait(1, 5000) == 1
+            on_replica = TokenBudget(client, GRANT_PLAN, entitlements=True)
+            out = await _every_entitlements_call(on_replica, user, nonce)
+        finally:
+            await client.aclose()
+    for name in ("reserve", "refund", "settle", "usage", "load", "invalidate"):
+        assert isinstance(out[name], LimiterUnavailable), (name, out[name])
+        assert error_kind(out[name].__cause__) == "READONLY", name  # type: ignore[arg-type]
+    assert await _state(budget, user) == before

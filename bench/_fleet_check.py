@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from usage_limits.budget import meta_fields
 from usage_limits.keys import user_keys
 
 
@@ -53,11 +54,12 @@ def read_ledger(client: Any, users: Iterable[str]) -> dict[str, dict[str, Any]]:
         scores = client.zrange(log_key, 0, -1, withscores=True)
         ev = client.hgetall(ev_key)
         meta, odd = {}, {}
-        for k, v in client.hgetall(meta_key).items():
+        packed = client.hget(meta_key, "m")
+        if packed is not None:
             try:
-                meta[k.decode()] = int(float(v))
+                meta = meta_fields(packed)
             except ValueError:
-                odd[k.decode()] = v.decode(errors="replace")  # reported as malformed
+                odd["m"] = packed.decode(errors="replace")  # reported as malformed
         events = {}
         for member, score in scores:
             rec = ev.get(member)

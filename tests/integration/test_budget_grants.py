@@ -14,7 +14,7 @@ import pytest
 from tests.resend import Resending
 from usage_limits import CostExceedsLimit, TokenBudget, Window
 from usage_limits._scripts import script
-from usage_limits.budget import CreditCrossing, LiveGrant, new_nonce
+from usage_limits.budget import CreditCrossing, LiveGrant, meta_fields, new_nonce
 from usage_limits.keys import user_keys
 
 T0 = 1_700_000_000_000
@@ -311,11 +311,11 @@ async def test_drawn_tokens_leave_the_quota_with_their_event(redis_client, uid) 
     await fill_quota(budget, uid)
     await budget.reserve(uid, "drew", 6, now_ms=T0 + 2 * MIN, plan_name="free")
     meta = user_keys(uid, "meta")[0]
-    assert int(await redis_client.hget(meta, f"d:{HOUR}")) == 6
+    assert meta_fields(await redis_client.hget(meta, "m"))[f"d:{HOUR}"] == 6
     later = T0 + 2 * MIN + HOUR  # every charge has left the hour
     usage = await budget.usage(uid, now_ms=later, plan_name="free")
     assert [w.used for w in usage.windows] == [0, 0]
-    assert int(await redis_client.hget(meta, f"d:{HOUR}")) == 0
+    assert meta_fields(await redis_client.hget(meta, "m"))[f"d:{HOUR}"] == 0
     assert await redis_client.hlen(user_keys(uid, "dr")[0]) == 0
     d = await budget.reserve(uid, "fresh", 10, now_ms=later, plan_name="free")
     assert (d.drawn, [w.used for w in d.windows]) == (0, [10, 10])

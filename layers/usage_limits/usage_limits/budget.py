@@ -4,8 +4,9 @@ Each user has three keys sharing one hash tag (see ``keys.user_keys``):
 
     log   sorted set   request id -> time of the charge (ms since the epoch)
     ev    hash         request id -> "<cost> <nonce> <route>"
-    meta  hash         clk (the key's clock), and per window of W ms a running total
-                       t:W and a cursor lo:W (events scored <= lo:W are out of t:W)
+    meta  hash         one field m: the key's clock, and per window of W ms a running
+                       total and a cursor (events scored <= the cursor are out of the
+                       total); ``meta_fields`` reads it
 
 A reservation checks and charges every window of the plan in one Lua script
 (``lua/budget_reserve.lua``). Windows keep running totals: each call subtracts only the
@@ -28,6 +29,9 @@ Things worth knowing:
   O(events in it) for that one call and cannot see events older than the windows kept so
   far. Windows a user had stay maintained (cheaply) until the keys expire, so switching
   plans back and forth stays exact; the log keeps events for the longest of them.
+- An event that leaves the longest window has left every window: it is no longer counted,
+  refunded or listed, and it is deleted with the next batch of 64 such events (or when the
+  keys' expiry is renewed, or by a usage read), not one at a time on every call.
 - Keys outlive the longest window by at least ``key_margin_s`` after every call, and by at
   most an hour more (their expiry is renewed only when it would fall short): an idle user
   costs nothing.
@@ -790,6 +794,30 @@ _REJECTED, _CHARGED, _DUPLICATE, _SUSPENDED, _NOT_LOADED, _TOO_BIG = 0, 1, 2, 3,
 _STATUS: dict[int, Status] = {_REJECTED: "rejected", _CHARGED: "charged",
                               _DUPLICATE: "duplicate", _SUSPENDED: "suspended",
                               _NOT_LOADED: "not_loaded"}
+
+
+def meta_fields(packed: bytes | str) -> dict[str, int]:
+    """A user's meta record (field ``m`` of the meta hash) as named integers.
+
+    ``clk`` (the key's clock, ms) and ``dead`` (events out of every window, not yet
+    deleted), then per window of ``W`` ms: ``t:W`` (tokens counted), ``lo:W`` (cursor, ms),
+    ``f:W`` (first counted event, ms; -1 none, -2 unknown), ``d:W`` (tokens drawn from
+    grants) and ``n:W`` (highest usage threshold reported, percent). For checks and tools;
+    the scripts read it themselves (``lua/_budget_meta.lua``).
+
+    Raises:
+        ValueError: ``packed`` is not a meta record.
+    """
+    head, *windows = _text(packed).split(";")
+    clk, dead = head.split(" ")
+    out = {"clk": int(clk), "dead": int(dead)}
+    for item in windows:
+        w, *values = item.split(" ")
+        if len(values) != 5:
+            raise ValueError(f"not a meta record: {packed!r}")
+        for name, value in zip(("t", "lo", "f", "d", "n"), values, strict=True):
+            out[f"{name}:{w}"] = int(value)
+    return out
 
 
 def _text(value: bytes | str) -> str:

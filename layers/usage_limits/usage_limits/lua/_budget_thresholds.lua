@@ -1,12 +1,11 @@
 --[[ _budget_thresholds.lua: usage-threshold crossings of a charge, for budget_reserve.lua.
 Not a script of its own: LuaScript pastes it where a script says
-`--#include _budget_thresholds.lua` (after call_windows, limits and meta_key exist).
+`--#include _budget_thresholds.lua` (after call_windows and limits exist).
 
 A spec "80,100/5" names the thresholds (percent of a window's limit, ascending) and the
-margin (percentage points). Per window of W ms the user's meta hash keeps
-  n:<W>  the highest threshold already reported (percent; missing = none)
-A charge that takes a window's total from `before` to `after` crosses threshold p when
-after * 100 >= p * limit and p is above n:<W>. A reported threshold is forgotten (so that
+margin (percentage points). Per window the user's meta keeps n, the highest threshold
+already reported (percent; 0 = none; _budget_meta.lua). A charge that takes a window's total from `before` to `after` crosses threshold p when
+after * 100 >= p * limit and p is above n. A reported threshold is forgotten (so that
 it can be reported again) once a charge finds the total below it by more than the margin:
 between two charges a total only falls (expiry, refund, settle), so the total a charge
 starts from is the lowest since the previous charge, and nothing is missed by looking only
@@ -24,24 +23,23 @@ local function parse_thresholds(spec)
   return out, tonumber(margin)
 end
 
--- `out` (a reply) with the thresholds this charge of `cost` crossed appended, as pairs
--- (position of the window in call_windows, 1-based; threshold in percent); m holds each
+-- The thresholds this charge of `cost` crossed, as pairs (position of the window in
+-- call_windows, 1-based; threshold in percent), or nil with no thresholds; m holds each
 -- window's total after the charge (the quota window, m.quota, counts t - d and the charge's
--- part not drawn from grants, m.drawn_now). Stores the new levels.
-local function append_crossings(out, spec, m, cost)
+-- part not drawn from grants, m.drawn_now). Sets each window's new level in m (save_meta
+-- stores it).
+local function crossings(spec, m, cost)
   local thresholds, margin = parse_thresholds(spec)
-  if not thresholds then return out end
-  local fields = {}
-  for i, w in ipairs(call_windows) do fields[i] = 'n:' .. string.format('%d', w) end
-  local levels = redis.call('HMGET', meta_key, unpack(fields))
-  local changed = {}
+  if not thresholds then return nil end
+  local out = {}
   for i, w in ipairs(call_windows) do
-    local limit, after, charged = limits[i], m.windows[w].total, cost
+    local s = m.windows[w]
+    local limit, after, charged = limits[i], s.total, cost
     if w == m.quota then  -- the quota counts only what grants did not cover
-      after, charged = after - (m.windows[w].drawn or 0), cost - (m.drawn_now or 0)
+      after, charged = after - s.drawn, cost - (m.drawn_now or 0)
     end
     local before = after - charged
-    local level = tonumber(levels[i]) or 0
+    local level = s.level
     -- forget the thresholds usage fell below by more than the margin since the last charge
     local kept = 0
     for _, p in ipairs(thresholds) do
@@ -55,11 +53,7 @@ local function append_crossings(out, spec, m, cost)
         new_level = p
       end
     end
-    if new_level ~= level then
-      changed[#changed + 1] = fields[i]
-      changed[#changed + 1] = string.format('%d', new_level)
-    end
+    s.level = new_level
   end
-  if #changed > 0 then redis.call('HSET', meta_key, unpack(changed)) end
   return out
 end

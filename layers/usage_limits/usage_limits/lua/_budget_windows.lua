@@ -2,14 +2,14 @@
 budget_usage.lua. Not a script of its own: LuaScript pastes it where a script says
 `--#include _budget_windows.lua`, so both scripts run the very same code.
 
-With entitlements on, the including script sets dr_key (the user's draws hash: request id ->
-"#<epoch> <ref>=<n> ..."), and every window also keeps d:<W>, the tokens drawn from grants by
+Needs _budget_meta.lua pasted before it (meta's layout is described there). With
+entitlements on, the including script sets dr_key (the user's draws hash: request id ->
+"#<epoch> <ref>=<n> ..."), and every window also keeps d, the tokens drawn from grants by
 the events it counts: subtracted as events leave, counted from dr for a new window. dr_key
 nil (entitlements off) reads and writes nothing of it.
 ]]
 local BATCH = 500 -- ids per ZRANGE/HMGET/HDEL call (stays far below Lua's unpack limit)
 local PEEK = '3'  -- events read past a cursor that moves: those leaving, then the first staying
-local NONE = math.huge -- first event of a window that counts none (f:<W> = -1)
 
 -- Integers as plain digits: Lua would print large numbers as 1.7e+12.
 local function int(x) return string.format('%d', x) end
@@ -76,44 +76,6 @@ if dr_key then
   end
 end
 
--- meta as {clk = ms, windows = {[W] = {total = tokens, lo = ms, first = ms or NONE or nil,
--- drawn = tokens or nil (0), was = the same as stored}}}; half-known windows dropped.
--- first (f:<W>) is the score of the oldest event the window
--- counts: no event lies between the cursor and it, so a cursor that stays below it passes
--- no event. nil when unknown (a refund removed that event, or a new window); NONE is
--- trusted only with a zero total.
-local function load_meta()
-  local flat = redis.call('HGETALL', meta_key)
-  local m = {clk = 0, windows = {}}
-  local totals, cursors, firsts, drawn = {}, {}, {}, nil  -- drawn: only if any d:<W>
-  for i = 1, #flat, 2 do
-    local field, value = flat[i], flat[i + 1]
-    if field == 'clk' then m.clk = tonumber(value)
-    else
-      local kind, w = string.match(field, '^(%a+):(%d+)$')
-      if kind == 't' then totals[w] = tonumber(value)
-      elseif kind == 'lo' then cursors[w] = tonumber(value)
-      elseif kind == 'f' then firsts[w] = value == '-1' and NONE or tonumber(value)
-      elseif kind == 'd' then
-        drawn = drawn or {}
-        drawn[w] = tonumber(value)
-      end
-    end
-  end
-  for w, total in pairs(totals) do
-    if cursors[w] then
-      local first = firsts[w]
-      if first == NONE and total ~= 0 then first = nil end
-      local stored = {total = total, lo = cursors[w], first = firsts[w]}
-      local s = {total = total, lo = cursors[w], first = first, was = stored}
-      local d = drawn and drawn[w]  -- nil when absent (entitlements off: always)
-      if d then stored.drawn, s.drawn = d, d end
-      m.windows[tonumber(w)] = s
-    end
-  end
-  return m
-end
-
 -- Ids of the events in (s.lo, b], which leave window s as its cursor moves to b; learns
 -- s.first on the way. One call unless more than PEEK events leave at once.
 local function leaving(s, b)
@@ -136,109 +98,117 @@ local function leaving(s, b)
   return ids_between(s.lo, b)
 end
 
--- Bring every window the user has (and every window of this call) up to `now`, then drop the
--- events older than the longest one. Sets m.empty when the longest window counts no event (or
--- may not), before this call's charge. Returns the longest window, ms.
+-- The score of the first event scored above lo, ms; NONE when there is none.
+local function first_after(lo)
+  local first = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(lo), '+inf', 'WITHSCORES',
+                           'LIMIT', '0', '1')
+  return #first == 0 and NONE or tonumber(first[2])
+end
+
+-- Bring every window the user has (and every window of this call) up to `now`. Events that
+-- leave the longest window have left every window: they are counted in m.dead and deleted
+-- later, PURGE at a time (save_meta), not one by one on every call. Sets m.empty when the
+-- longest window counts no event, before this call's charge. Returns the longest window, ms.
 local function advance(m, now, wanted)
-  local kept_longest = 0
-  for w in pairs(m.windows) do kept_longest = math.max(kept_longest, w) end
+  local ws = m.ws
+  local kept_longest = ws[#ws]
+  local added = false
   for _, w in ipairs(wanted) do
     if not m.windows[w] then
-      -- First use of this window by this user (a plan change): count what the log still
-      -- holds, once. This one call costs O(events in the window); later calls do not.
-      if w > kept_longest then
-        -- Longer than every window kept so far: it takes over deleting what leaves the
-        -- log. The log holds only events of the shorter windows, so count all of it with
-        -- the cursor below every event: the loop below then subtracts and deletes those
-        -- already older than this window (they are out of every window).
-        local ids = ids_between(-1, now)
-        m.windows[w] = {total = sum_costs(ids), lo = -1,
-                        drawn = sum_drawn and sum_drawn(ids) or nil}
+      -- First use of this window by this user (a plan change, or a meta without m): count
+      -- what the log still holds, once. This one call costs O(events in the window); later
+      -- calls do not.
+      local lo
+      if not kept_longest or w > kept_longest then
+        -- Longer than every window kept so far: it takes over counting what leaves the log.
+        -- It counts every event not yet out of every window (scored above the longest
+        -- kept window's cursor, or all of the log), with its cursor there: the loop below
+        -- then subtracts those already older than this window.
+        lo = kept_longest and m.windows[kept_longest].lo or -1
       else
-        local b = now - w
-        local ids = ids_between(b, now)
-        m.windows[w] = {total = sum_costs(ids), lo = b, drawn = sum_drawn and sum_drawn(ids) or nil}
+        lo = now - w
       end
+      local ids = ids_between(lo, now)
+      m.windows[w] = {total = sum_costs(ids), lo = lo, drawn = sum_drawn and sum_drawn(ids) or 0,
+                      level = 0}
+      ws[#ws + 1] = w
+      added = true
     end
   end
-  -- Shortest first: the longest window deletes what leaves it, and after a long pause a
-  -- shorter window must first subtract those same events.
-  local lengths = {}
-  for w in pairs(m.windows) do lengths[#lengths + 1] = w end
-  table.sort(lengths)
-  local longest = lengths[#lengths]
-  for _, w in ipairs(lengths) do
+  if added then table.sort(ws) end
+  -- Shortest first: after a long pause a shorter window subtracts the events that leave it
+  -- before the longest one counts them as dead.
+  local longest = ws[#ws]
+  for _, w in ipairs(ws) do
     local s, b = m.windows[w], now - w
     if s.lo < b then
       if not (s.first and s.first > b) then
         -- events in (lo, b] have left the window since the last call: subtract each once
         local gone = leaving(s, b)
-        s.total = s.total - sum_costs(gone)
-        -- with no drawn tokens in the window, no leaving event has a dr record
-        local drew = sum_drawn and (s.drawn or 0) > 0
-        if drew then s.drawn = math.max(0, s.drawn - sum_drawn(gone)) end
-        if w == longest and #gone > 0 then
-          -- they have left every window (each cursor is past them): delete them
-          for start = 1, #gone, BATCH do
-            redis.call('HDEL', ev_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
-            if drew then
-              redis.call('HDEL', dr_key, unpack(gone, start, math.min(start + BATCH - 1, #gone)))
-            end
-          end
-          redis.call('ZREMRANGEBYSCORE', log_key, '-inf', int(b))
+        if #gone > 0 then
+          s.total = s.total - sum_costs(gone)
+          -- with no drawn tokens in the window, no leaving event has a dr record
+          if sum_drawn and s.drawn > 0 then s.drawn = math.max(0, s.drawn - sum_drawn(gone)) end
+          if w == longest then m.dead = m.dead + #gone end
         end
       end
       s.lo = b
     end
   end
-  local first = m.windows[longest].first
-  m.empty = first == nil or first == NONE
+  local s = m.windows[longest]
+  if not s.first then s.first = first_after(s.lo) end
+  m.empty = s.first == NONE
   return longest
 end
 
--- Store the clock and what changed of each window's total, cursor and first event (looked
--- up if unknown). Every key lives at least margin_ms past the longest window: when meta's
--- expiry (PTTL, Redis's own clock) would fall short of that, or when this call may have made
--- a key anew (the longest window counted no event, so log and ev may have been empty), every
--- expiry is set to longest + margin_ms + slack, slack = min(longest, 1 h). An active user's
--- keys so get PEXPIRE about once per slack instead of on every call, and an idle user's
--- vanish at most slack later than they used to.
-local function save_meta(m, now, longest)
-  local fields = {'clk', int(now)}
-  local due = m.empty or redis.call('PTTL', meta_key) < longest + margin_ms
-  local ttl = longest + margin_ms + math.min(longest, 3600000)
-  for w, s in pairs(m.windows) do
-    if not s.first then
-      local first = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(s.lo), '+inf',
-                               'WITHSCORES', 'LIMIT', '0', '1')
-      s.first = #first == 0 and NONE or tonumber(first[2])
-    end
-    local tag, was = int(w), s.was or {}
-    if s.total ~= was.total then
-      fields[#fields + 1] = 't:' .. tag
-      fields[#fields + 1] = int(s.total)
-    end
-    if s.lo ~= was.lo then
-      fields[#fields + 1] = 'lo:' .. tag
-      fields[#fields + 1] = int(s.lo)
-    end
-    if s.first ~= was.first then
-      fields[#fields + 1] = 'f:' .. tag
-      fields[#fields + 1] = s.first == NONE and '-1' or int(s.first)
-    end
-    if (s.drawn or 0) ~= (was.drawn or 0) then
-      fields[#fields + 1] = 'd:' .. tag
-      fields[#fields + 1] = int(s.drawn or 0)
-    end
+-- Delete the events scored <= lo (they have left every window) with their records.
+local function purge(lo)
+  repeat
+    local ids = redis.call('ZRANGEBYSCORE', log_key, '-inf', int(lo), 'LIMIT', '0', BATCH)
+    if #ids == 0 then break end
+    redis.call('HDEL', ev_key, unpack(ids))
+    if dr_key then redis.call('HDEL', dr_key, unpack(ids)) end
+    redis.call('ZREM', log_key, unpack(ids))
+  until #ids < BATCH
+end
+
+-- The score of request id's event while some window may still count it (above the longest
+-- window's cursor); nil when it is not in the log or has left every window. After advance.
+local function live_score(m, longest, id)
+  local score = redis.call('ZSCORE', log_key, id)
+  if score and tonumber(score) > m.windows[longest].lo then return tonumber(score) end
+  return nil
+end
+
+-- Store meta, after looking up each window's unknown first event, and delete the dead events
+-- once PURGE of them have gathered (all of them with `all`, or when the expiry is renewed).
+-- Every key lives at least margin_ms past the longest window: when meta's expiry (PTTL,
+-- Redis's own clock) would fall short of that, or when this call may have made a key anew
+-- (the longest window counted no event, so log and ev may have been deleted), every expiry is
+-- set to longest + margin_ms + slack, slack = min(longest, 1 h). An active user's keys so get
+-- PEXPIRE about once per slack instead of on every call, and an idle user's vanish at most
+-- slack later than they used to.
+local function save_meta(m, now, longest, all)
+  m.clk = now
+  local due = m.empty or m.fresh or redis.call('PTTL', meta_key) < longest + margin_ms
+  for _, w in ipairs(m.ws) do
+    local s = m.windows[w]
+    if not s.first then s.first = first_after(s.lo) end
   end
-  redis.call('HSET', meta_key, unpack(fields))
+  if m.dead >= PURGE or (m.dead > 0 and (due or all)) then
+    purge(m.windows[longest].lo)
+    m.dead = 0
+  end
+  if m.fresh then redis.call('DEL', meta_key) end  -- the fields of an older layout, if any
+  redis.call('HSET', meta_key, FIELD, encode_meta(m))
   if due then
-    redis.call('PEXPIRE', log_key, int(ttl))
-    redis.call('PEXPIRE', ev_key, int(ttl))
-    redis.call('PEXPIRE', meta_key, int(ttl))
+    local ttl = int(longest + margin_ms + math.min(longest, 3600000))
+    redis.call('PEXPIRE', log_key, ttl)
+    redis.call('PEXPIRE', ev_key, ttl)
+    redis.call('PEXPIRE', meta_key, ttl)
     if dr_key then
-      redis.call('PEXPIRE', ent_key, int(ttl), 'GT')  -- never shortens a load's expiry
-      redis.call('PEXPIRE', dr_key, int(ttl))
+      redis.call('PEXPIRE', ent_key, ttl, 'GT')  -- never shortens a load's expiry
+      redis.call('PEXPIRE', dr_key, ttl)
     end
   end
 end

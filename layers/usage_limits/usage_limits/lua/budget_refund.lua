@@ -13,8 +13,8 @@ Only the given user's keys are touched, so another user's request id is never fo
 
 KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
 KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)
-KEYS[3]  meta        hash: clk (ms), t:<W> (tokens), lo:<W> (ms), f:<W> (ms or -1);
-                     see budget_reserve.lua
+KEYS[3]  meta        hash: m, the clock and each window's total, cursor, first event and
+                     drawn tokens (_budget_meta.lua)
 ARGV[1]  request_id  the charge's id
 ARGV[2]  new_cost    tokens the request really used (integer >= 0; 0 = refund it all)
 ARGV[3]  nonce       the nonce of the reservation that made the charge (no spaces)
@@ -52,6 +52,7 @@ local now_arg = tonumber(ARGV[4] or '0')
 local low = tonumber(ARGV[5] or '0')
 local low_margin = tonumber(ARGV[6] or '0')
 
+--#include _budget_meta.lua  (meta's one-field layout)
 local entitled = dr_key ~= nil
 --#include _budget_grants.lua  (entitlements and draws)
 
@@ -71,19 +72,20 @@ local old_cost = tonumber(string.match(rec, '^%d+')) or 0
 local rest = string.match(rec, '^%d+(.*)$') or ''
 if new_cost >= old_cost and new_cost > 0 then return done(0) end
 
+local m = load_meta()
+local longest = m.ws[#m.ws]
+-- the event has left every window (the longest one's cursor passed it; it is only waiting to
+-- be deleted): it is no charge any more, and nothing is given back
+if longest and score <= m.windows[longest].lo then return done(0) end
+
 local delta = old_cost - new_cost
-local flat = redis.call('HGETALL', meta_key)
 
 -- the drawn part first: back = min(delta, drawn), in reverse draw order
 local back, returned, epoch = 0, {}, 0
 if dr_key then
   local draw_epoch, list = G.more().parse_draws(redis.call('HGET', dr_key, request_id))
   if #list > 0 then
-    local clk = 0
-    for i = 1, #flat, 2 do
-      if flat[i] == 'clk' then clk = tonumber(flat[i + 1]) end
-    end
-    local now = math.max(now_arg, clk)
+    local now = math.max(now_arg, m.clk)
     local ent = G.load_ent(ent_key)
     epoch = ent.epoch or 0
     local grants = {}
@@ -118,20 +120,17 @@ if dr_key then
   end
 end
 
-local unknown = {}
-for i = 1, #flat, 2 do
-  local kind, w = string.match(flat[i], '^(%a+):(%d+)$')
-  -- still counted by this window: give the difference back (and the drawn part to d:<W>)
-  if kind == 'lo' and delta > 0 and score > tonumber(flat[i + 1]) then
-    redis.call('HINCRBY', meta_key, 't:' .. w, string.format('%d', -delta))
-    if back > 0 then redis.call('HINCRBY', meta_key, 'd:' .. w, string.format('%d', -back)) end
+for _, w in ipairs(m.ws) do
+  local s = m.windows[w]
+  -- still counted by this window: give the difference back (and the drawn part to d)
+  if score > s.lo then
+    s.total = s.total - delta
+    s.drawn = s.drawn - back
   end
   -- the window's oldest event leaves the log: the next call looks its successor up
-  if kind == 'f' and new_cost == 0 and tonumber(flat[i + 1]) == score then
-    unknown[#unknown + 1] = flat[i]
-  end
+  if new_cost == 0 and s.first == score then s.first = nil end
 end
-if #unknown > 0 then redis.call('HDEL', meta_key, unpack(unknown)) end
+if not m.fresh then redis.call('HSET', meta_key, FIELD, encode_meta(m)) end
 
 if new_cost == 0 then
   redis.call('ZREM', log_key, request_id)

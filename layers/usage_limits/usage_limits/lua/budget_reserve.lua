@@ -95,6 +95,7 @@ for w, limit in string.gmatch(plan, '(%d+):(%d+)') do
   limits[#limits + 1] = tonumber(limit)
 end
 
+--#include _budget_meta.lua  (meta's one-field layout)
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
 --#include _budget_thresholds.lua  (usage-threshold crossings)
 local entitled = dr_key ~= nil
@@ -248,7 +249,7 @@ local function reply(status, retry, binding)
   if ent then out[4] = ent_block() end
   for _, w in ipairs(call_windows) do
     local s = m.windows[w]
-    out[#out + 1] = w == quota_w and s.total - (s.drawn or 0) or s.total
+    out[#out + 1] = w == quota_w and s.total - s.drawn or s.total
     out[#out + 1] = resets_at(m, w)
   end
   return out
@@ -258,7 +259,7 @@ local fits, quota_short = true, false
 for i, w in ipairs(call_windows) do
   if w == quota_w then
     local s = m.windows[w]
-    local need = s.total - (s.drawn or 0) + cost - limits[i]
+    local need = s.total - s.drawn + cost - limits[i]
     if need > 0 then
       local want = math.min(need, cost)
       local live, avail = G.more().live_grants(ent, now)
@@ -287,9 +288,21 @@ if ent and not fits and credit < 0 then
   credit = avail
 end
 
+-- An id whose event has left every window but is still stored (deleted in batches) is no
+-- charge any more: it goes now, and the id may be charged again.
+local function added()
+  if redis.call('ZADD', log_key, 'NX', int(now), request_id) == 1 then return true end
+  if live_score(m, longest, request_id) then return false end
+  redis.call('HDEL', ev_key, request_id)
+  if dr_key then redis.call('HDEL', dr_key, request_id) end
+  redis.call('ZADD', log_key, int(now), request_id)
+  m.dead = math.max(0, m.dead - 1)
+  return true
+end
+
 if fits then
-  -- NX: an id already in the log keeps its charge (a duplicate, answered below)
-  if redis.call('ZADD', log_key, 'NX', int(now), request_id) == 1 then
+  -- NX: an id already counted keeps its charge (a duplicate, answered below)
+  if added() then
     redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
     if drawn > 0 then
       -- the draws become real: remaining, credit crossings, the dr record, every d:<W>
@@ -318,24 +331,29 @@ if fits then
       redis.call('HSET', dr_key, request_id, G.more().encode_draws(ent.epoch, draws))
       redis.call('PEXPIRE', dr_key, int(longest + margin_ms + math.min(longest, 3600000)))
       credit = credit - drawn
-      for _, s in pairs(m.windows) do s.drawn = (s.drawn or 0) + drawn end
+      for _, s in pairs(m.windows) do s.drawn = s.drawn + drawn end
     end
     for _, s in pairs(m.windows) do
       s.total = s.total + cost
       if s.first == NONE then s.first = now end
     end
-    save_meta(m, now, longest)
     if ent then m.drawn_now = drawn end
-    return append_crossings(reply(1, 0, 0), threshold_spec, m, cost)
+    local crossed = crossings(threshold_spec, m, cost)
+    save_meta(m, now, longest)
+    local out = reply(1, 0, 0)
+    if crossed then
+      for i = 1, #crossed do out[#out + 1] = crossed[i] end
+    end
+    return out
   end
-elseif not redis.call('ZSCORE', log_key, request_id) then
+elseif not live_score(m, longest, request_id) then
   local retry, binding = 0, 0
   for i, w in ipairs(call_windows) do
     local total = m.windows[w].total
-    if w == quota_w then total = total - (m.windows[w].drawn or 0) end
+    if w == quota_w then total = total - m.windows[w].drawn end
     -- the quota fails only when the grants could not cover what it lacks
     if total + cost > limits[i] and (w ~= quota_w or quota_short) then
-      local quota = w == quota_w and (m.windows[w].drawn or 0) > 0
+      local quota = w == quota_w and m.windows[w].drawn > 0
       local wait = wait_ms(now, w, total + cost - limits[i], quota)
       if wait > retry then retry, binding = wait, i end
     end

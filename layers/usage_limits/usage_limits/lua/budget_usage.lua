@@ -50,6 +50,7 @@ local catalog = dr_key and ARGV[5] or ''
 local call_windows = {}
 for i = dr_key and 6 or 4, #ARGV do call_windows[#call_windows + 1] = tonumber(ARGV[i]) end
 
+--#include _budget_meta.lua  (meta's one-field layout)
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
 local entitled = dr_key ~= nil
 --#include _budget_grants.lua  (entitlements and draws)
@@ -100,13 +101,13 @@ end
 local m = load_meta()
 local now = math.max(now_arg, m.clk)
 local longest = advance(m, now, call_windows)
-save_meta(m, now, longest)
+save_meta(m, now, longest, true)  -- all dead events go: the events listed below are live
 
 local out = {now}
 if head then out[2] = head(now) end
 for _, w in ipairs(call_windows) do
   local s = m.windows[w]
-  out[#out + 1] = w == quota_w and s.total - (s.drawn or 0) or s.total
+  out[#out + 1] = w == quota_w and s.total - s.drawn or s.total
   out[#out + 1] = resets_at(m, w)
 end
 if max_events > 0 then

@@ -9,7 +9,7 @@ the events it counts: subtracted as events leave, counted from dr for a new wind
 nil (entitlements off) reads and writes nothing of it.
 ]]
 local BATCH = 500 -- ids per ZRANGE/HMGET/HDEL call (stays far below Lua's unpack limit)
-local PEEK = '3'  -- events read past a cursor that moves: those leaving, then the first staying
+local PEEK = '2'  -- events read past a cursor that moves: one leaving, then the first staying
 
 -- Integers as plain digits: Lua would print large numbers as 1.7e+12.
 local function int(x) return string.format('%d', x) end
@@ -77,7 +77,7 @@ if dr_key then
 end
 
 -- Ids of the events in (s.lo, b], which leave window s as its cursor moves to b; learns
--- s.first on the way. One call unless more than PEEK events leave at once.
+-- s.first on the way. One call unless PEEK or more events leave at once.
 local function leaving(s, b)
   local items = redis.call('ZRANGEBYSCORE', log_key, '(' .. int(s.lo), '+inf', 'WITHSCORES',
                            'LIMIT', '0', PEEK)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
+
+import pytest
 
 from usage_limits import TokenBudget, Window
 from usage_limits._scripts import script
@@ -11,7 +14,7 @@ from usage_limits.keys import user_keys
 
 T0 = 1_700_000_000_000
 SECOND = 1000
-PURGE = 64  # lua/_budget_meta.lua
+PURGE = 8  # lua/_budget_meta.lua
 
 
 def keys_of(user: str) -> list[str]:
@@ -36,11 +39,11 @@ async def fill_and_expire(budget: TokenBudget, user: str, n: int) -> int:
 
 async def test_left_events_wait_for_a_batch_and_are_then_deleted(redis_client, uid) -> None:  # type: ignore[no-untyped-def]
     """Fewer than a batch of events out of every window stay stored (uncounted); the call
-    that brings the batch to 64 deletes them all, with their records."""
+    that brings the batch to PURGE deletes them all, with their records."""
     budget = TokenBudget(redis_client, [Window(10**6, 1)])
     log, ev, _ = keys_of(uid)
     later = await fill_and_expire(budget, uid, PURGE - 1)
-    assert await redis_client.zcard(log) == PURGE + 1  # 63 dead, the anchor and "later"
+    assert await redis_client.zcard(log) == PURGE + 1  # PURGE - 1 dead, the anchor and "later"
     meta = await meta_of(redis_client, uid)
     assert (meta["dead"], meta[f"t:{SECOND}"]) == (PURGE - 1, 2)
     # the anchor leaves too: the batch is full, and every dead event goes
@@ -116,8 +119,11 @@ async def test_meta_of_an_older_layout_is_counted_anew(redis_client, uid) -> Non
 
 def test_meta_fields_reads_the_record() -> None:
     """The one-field record reads as the clock, the dead count and each window's numbers."""
-    fields = meta_fields(b"1700000000123 2;1000 7 1699999999123 -1 0 0;60000 9 -1 -2 3 80")
+    values = [1700000000123, 2, 1000, 7, 1699999999123, -1, 0, 0, 60000, 9, -1, -2, 3, 80]
+    fields = meta_fields(struct.pack(f"<{len(values)}d", *values))
     assert fields == {"clk": 1700000000123, "dead": 2,
                       "t:1000": 7, "lo:1000": 1699999999123, "f:1000": -1, "d:1000": 0,
                       "n:1000": 0, "t:60000": 9, "lo:60000": -1, "f:60000": -2, "d:60000": 3,
                       "n:60000": 80}
+    with pytest.raises(ValueError):
+        meta_fields(b"1700000000123 2")

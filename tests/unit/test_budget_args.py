@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import struct
 from importlib import resources
 from typing import Any
 
@@ -96,6 +97,9 @@ async def test_cost_above_a_window_limit_is_a_clear_error() -> None:
     lambda b: b.settle("u", "r", -1, nonce="n"), lambda b: b.settle("u", "r", 1.5, nonce="n"),
     lambda b: b.settle("u", "", 1, nonce="n"), lambda b: b.settle("u", "r", 1, nonce="x" * 65),
     lambda b: b.reserve("u", "r", 1, nonce="a b"),
+    lambda b: b.reserve("u", "r", 1, nonce="a\x7f"),
+    lambda b: b.reserve("u", "r", 1, nonce="caf\u00e9"),
+    lambda b: b.reserve("u", "r", 1, nonce="a\tb"),
     lambda b: b.usage(""), lambda b: b.usage("u", events=-1), lambda b: b.usage("u", events=1001),
     lambda b: b.usage("u", windows=[Window(1, 1), Window(2, 1)]),
 ])
@@ -111,7 +115,7 @@ def test_reserve_arguments_follow_the_script_header() -> None:
                                         1_000, "abcd")
     assert keys == ["ul:{u:alice}:log", "ul:{u:alice}:ev", "ul:{u:alice}:meta"]
     assert args == [1_000, "req-1", 8, "abcd", "/v1/structured", 60_000,
-                    b"3600000:100 2592000000:1000"]
+                    struct.pack("<4d", 3_600_000, 100, 2_592_000_000, 1_000)]
 
 
 @pytest.mark.parametrize("name", ["budget_reserve", "budget_usage", "budget_refund",

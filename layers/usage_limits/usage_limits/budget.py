@@ -30,7 +30,7 @@ Things worth knowing:
   far. Windows a user had stay maintained (cheaply) until the keys expire, so switching
   plans back and forth stays exact; the log keeps events for the longest of them.
 - An event that leaves the longest window has left every window: it is no longer counted,
-  refunded or listed, and it is deleted with the next batch of 64 such events (or when the
+  refunded or listed, and it is deleted with the next batch of 8 such events (or when the
   keys' expiry is renewed, or by a usage read), not one at a time on every call.
 - Keys outlive the longest window by at least ``key_margin_s`` after every call, and by at
   most an hour more (their expiry is renewed only when it would fall short): an idle user
@@ -71,6 +71,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
+import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
@@ -428,7 +429,7 @@ class TokenBudget:
                 raise InvalidArgument(f"plan name {name!r} must be 1..64 of A-Z a-z 0-9 _ . -")
             self.catalog[name] = _plan(plan)
         # ";<name>=<plan>;<name>=<plan>": the scripts find ";<name>=" with one plain search
-        self._catalog_arg = "".join(f";{name}={_plan_args(plan)[1][0].decode()}"
+        self._catalog_arg = "".join(f";{name}={_plan_text(plan)}"
                                     for name, plan in self.catalog.items()).encode()
         margin = thresholds.margin if thresholds is not None else DEFAULT_CREDIT_MARGIN
         self._credit_args = (credit_low_percent, margin)
@@ -729,8 +730,9 @@ def new_nonce() -> str:
 
 
 def _check_nonce(nonce: str) -> str:
+    # printable ASCII without spaces ("!" to "~"), checked by str's own C loops
     if (not isinstance(nonce, str) or not 0 < len(nonce) <= MAX_NONCE_LENGTH
-            or not all("!" <= c <= "~" for c in nonce)):
+            or not nonce.isascii() or not nonce.isprintable() or " " in nonce):
         raise InvalidArgument(
             f"nonce must be 1..{MAX_NONCE_LENGTH} printable ASCII characters without spaces")
     return nonce
@@ -752,10 +754,15 @@ def _plan(windows: Sequence[Window]) -> tuple[Window, ...]:
 
 @lru_cache(maxsize=64)
 def _plan_args(plan: tuple[Window, ...]) -> tuple[int, tuple[bytes]]:
-    """The plan's smallest limit and its one "<window_ms>:<limit> ..." argument of the reserve
-    script, encoded once."""
-    encoded = " ".join(f"{w.ms}:{w.limit}" for w in plan).encode()
+    """The plan's smallest limit and its one argument of the reserve script (per window its
+    length in ms and its limit, little-endian doubles), encoded once."""
+    encoded = struct.pack(f"<{2 * len(plan)}d", *(v for w in plan for v in (w.ms, w.limit)))
     return min(w.limit for w in plan), (encoded,)
+
+
+def _plan_text(plan: tuple[Window, ...]) -> str:
+    """The plan as the catalog names it: "<window_ms>:<limit> ...", shortest first."""
+    return " ".join(f"{w.ms}:{w.limit}" for w in plan)
 
 
 @lru_cache(maxsize=1024)
@@ -796,27 +803,27 @@ _STATUS: dict[int, Status] = {_REJECTED: "rejected", _CHARGED: "charged",
                               _NOT_LOADED: "not_loaded"}
 
 
-def meta_fields(packed: bytes | str) -> dict[str, int]:
+def meta_fields(packed: bytes) -> dict[str, int]:
     """A user's meta record (field ``m`` of the meta hash) as named integers.
 
     ``clk`` (the key's clock, ms) and ``dead`` (events out of every window, not yet
     deleted), then per window of ``W`` ms: ``t:W`` (tokens counted), ``lo:W`` (cursor, ms),
     ``f:W`` (first counted event, ms; -1 none, -2 unknown), ``d:W`` (tokens drawn from
-    grants) and ``n:W`` (highest usage threshold reported, percent). For checks and tools;
-    the scripts read it themselves (``lua/_budget_meta.lua``).
+    grants) and ``n:W`` (highest usage threshold reported, percent). The record is
+    little-endian doubles (``lua/_budget_meta.lua``). For checks and tools; the scripts read
+    it themselves.
 
     Raises:
         ValueError: ``packed`` is not a meta record.
     """
-    head, *windows = _text(packed).split(";")
-    clk, dead = head.split(" ")
-    out = {"clk": int(clk), "dead": int(dead)}
-    for item in windows:
-        w, *values = item.split(" ")
-        if len(values) != 5:
-            raise ValueError(f"not a meta record: {packed!r}")
-        for name, value in zip(("t", "lo", "f", "d", "n"), values, strict=True):
-            out[f"{name}:{w}"] = int(value)
+    if not isinstance(packed, bytes) or len(packed) < 16 or (len(packed) - 16) % 48:
+        raise ValueError(f"not a meta record: {packed!r}")
+    values = [int(v) for v in struct.unpack(f"<{len(packed) // 8}d", packed)]
+    out = {"clk": values[0], "dead": values[1]}
+    for i in range(2, len(values), 6):
+        w = values[i]
+        for name, value in zip(("t", "lo", "f", "d", "n"), values[i + 1:i + 6], strict=True):
+            out[f"{name}:{w}"] = value
     return out
 
 

@@ -1,6 +1,6 @@
 --[[ _budget_thresholds.lua: usage-threshold crossings of a charge, for budget_reserve.lua.
 Not a script of its own: LuaScript pastes it where a script says
-`--#include _budget_thresholds.lua` (after call_windows and limits exist).
+`--#include _budget_thresholds.lua`.
 
 A spec "80,100/5" names the thresholds (percent of a window's limit, ascending) and the
 margin (percentage points). Per window the user's meta keeps n, the highest threshold
@@ -23,37 +23,22 @@ local function parse_thresholds(spec)
   return out, tonumber(margin)
 end
 
--- The thresholds this charge of `cost` crossed, as pairs (position of the window in
--- call_windows, 1-based; threshold in percent), or nil with no thresholds; m holds each
--- window's total after the charge (the quota window, m.quota, counts t - d and the charge's
--- part not drawn from grants, m.drawn_now). Sets each window's new level in m (save_meta
--- stores it).
-local function crossings(spec, m, cost)
-  local thresholds, margin = parse_thresholds(spec)
-  if not thresholds then return nil end
-  local out = {}
-  for i, w in ipairs(call_windows) do
-    local s = m.windows[w]
-    local limit, after, charged = limits[i], s.total, cost
-    if w == m.quota then  -- the quota counts only what grants did not cover
-      after, charged = after - s.drawn, cost - (m.drawn_now or 0)
-    end
-    local before = after - charged
-    local level = s.level
-    -- forget the thresholds usage fell below by more than the margin since the last charge
-    local kept = 0
-    for _, p in ipairs(thresholds) do
-      if p <= level and before * 100 >= (p - margin) * limit then kept = p end
-    end
-    local new_level = kept
-    for _, p in ipairs(thresholds) do
-      if p > kept and after * 100 >= p * limit then
-        out[#out + 1] = i
-        out[#out + 1] = p
-        new_level = p
-      end
-    end
-    s.level = new_level
+-- One window's crossings: appends (position, percent) pairs to `out` for the thresholds a
+-- charge taking the window's total from `before` to `after` crossed, and returns the
+-- window's new level (`level` is the stored one; `limit` the window's).
+local function cross(thresholds, margin, out, position, limit, before, after, level)
+  -- forget the thresholds usage fell below by more than the margin since the last charge
+  local kept = 0
+  for _, p in ipairs(thresholds) do
+    if p <= level and before * 100 >= (p - margin) * limit then kept = p end
   end
-  return out
+  local new_level = kept
+  for _, p in ipairs(thresholds) do
+    if p > kept and after * 100 >= p * limit then
+      out[#out + 1] = position
+      out[#out + 1] = p
+      new_level = p
+    end
+  end
+  return new_level
 end

@@ -161,17 +161,6 @@ local function advance(m, now, wanted)
   return longest
 end
 
--- Delete the events scored <= lo (they have left every window) with their records.
-local function purge(lo)
-  repeat
-    local ids = redis.call('ZRANGEBYSCORE', log_key, '-inf', int(lo), 'LIMIT', '0', BATCH)
-    if #ids == 0 then break end
-    redis.call('HDEL', ev_key, unpack(ids))
-    if dr_key then redis.call('HDEL', dr_key, unpack(ids)) end
-    redis.call('ZREM', log_key, unpack(ids))
-  until #ids < BATCH
-end
-
 -- The score of request id's event while some window may still count it (above the longest
 -- window's cursor); nil when it is not in the log or has left every window. After advance.
 local function live_score(m, longest, id)

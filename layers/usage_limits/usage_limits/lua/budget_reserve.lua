@@ -20,9 +20,10 @@ ARGV[4]  nonce       random per call, no spaces: tells a client's re-send of thi
                      (same nonce) from a second reservation of the same id (other nonce)
 ARGV[5]  route       route recorded with the charge (audit trail), may be empty
 ARGV[6]  margin_ms   keys live this long past the longest window, ms (integer >= 0)
-ARGV[7]  plan        the windows, shortest first, as "<window_ms>:<limit>" items separated by
-                     single spaces: window length in ms, limit in tokens (one argument, so
-                     the client encodes and Redis parses one string per call, not two per window)
+ARGV[7]  plan        the windows, shortest first, binary: per window its length in ms and its
+                     limit in tokens, each a little-endian double (struct.pack '<dd...'):
+                     one argument the client encodes once per plan, and one struct call
+                     here instead of parsing two numbers per window from text
 ARGV[8]  thresholds  optional: usage thresholds, "80,100/5" (percents of a window's limit /
                      margin in percentage points; _budget_thresholds.lua); absent or '' = none
 
@@ -37,7 +38,8 @@ ARGV[9]  entitled    "<plan_name> <low> <low_margin> <catalog>" in one argument 
                      low_margin  percentage points above `low` a grant must get back before
                                  its reports are re-armed (budget_refund.lua's; unused here)
                      catalog     the deployment's plans, ";<name>=<plan>;<name>=<plan>",
-                                 each <plan> as ARGV[7]; may be empty
+                                 each <plan> as "<window_ms>:<limit>" items separated
+                                 by single spaces, shortest first; may be empty
 The plan's longest window is the quota Q; meta keeps d:<W>, tokens drawn from grants by the
 events window W counts, and the quota's used is t:<Q> - d:<Q>. A charge that fits every
 shorter window (full cost) but needs need = used + cost - Q > 0 tokens over the quota draws
@@ -90,14 +92,93 @@ local call_windows, limits = {}, {}
 local threshold_spec = ARGV[8] or ''
 local entitled_arg = ARGV[9]
 local plan_name = entitled_arg and string.match(entitled_arg, '^%S*')  -- the rest: when needed
-for w, limit in string.gmatch(plan, '(%d+):(%d+)') do
-  call_windows[#call_windows + 1] = tonumber(w)
-  limits[#limits + 1] = tonumber(limit)
+local plan_values = {struct.unpack('<' .. string.rep('d', #plan / 8), plan)}
+for i = 1, #plan / 16 do
+  call_windows[i], limits[i] = plan_values[2 * i - 1], plan_values[2 * i]
 end
 
 --#include _budget_meta.lua  (meta's one-field layout)
---#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
 --#include _budget_thresholds.lua  (usage-threshold crossings)
+
+-- The common case first, in as little Lua as it takes (Redis bills a script by the time it
+-- runs): entitlements off, meta holds exactly this plan's windows, at most one event leaves
+-- each window, the charge fits and its id is not in the log. It computes what the general
+-- code below computes for that case, with meta's numbers in one flat array instead of
+-- tables and closures. Anything else is seen before the first write, and the general code
+-- starts over.
+if not dr_key then
+  local packed = redis.call('HGET', meta_key, FIELD)
+  local nw = #call_windows
+  if packed and #packed == 16 + 48 * nw then
+    local v = {struct.unpack('<' .. string.rep('d', 2 + 6 * nw), packed)}
+    local now = math.max(now_arg, v[1])
+    local fast = true
+    for i = 1, nw do
+      local k = 6 * i - 3  -- v[k..k+5]: W t lo f d n of window i
+      local w, t, lo, f = v[k], v[k + 1], v[k + 2], v[k + 3]
+      local b = now - w
+      if w ~= call_windows[i] or (f == -1 and t ~= 0) then fast = false break end
+      if lo < b then
+        if f == -2 or (f >= 0 and f <= b) then
+          -- the first two events past the cursor: the one leaving, then the first staying
+          local items = redis.call('ZRANGEBYSCORE', log_key, '(' .. string.format('%d', lo),
+                                   '+inf', 'WITHSCORES', 'LIMIT', '0', '2')
+          f = items[2] and tonumber(items[2]) or -1
+          if f ~= -1 and f <= b then
+            f = items[4] and tonumber(items[4]) or -1
+            if f ~= -1 and f <= b then fast = false break end  -- two or more leave
+            local rec = redis.call('HGET', ev_key, items[1])
+            t = t - (rec and tonumber(string.match(rec, '^%d+')) or 0)
+            if i == nw then v[2] = v[2] + 1 end  -- out of every window: dead
+          end
+        end
+        v[k + 1], v[k + 2], v[k + 3] = t, b, f
+      elseif f == -2 then
+        fast = false break  -- the first event is unknown: looked up there
+      end
+      if t + cost > limits[i] then fast = false break end  -- rejected: the general code
+    end
+    if fast then
+      local longest = call_windows[nw]
+      local due = v[6 * nw] == -1 or redis.call('PTTL', meta_key) < longest + margin_ms
+      if redis.call('ZADD', log_key, 'NX', now, request_id) == 1 then
+        redis.call('HSET', ev_key, request_id, string.format('%d', cost) .. ' ' .. nonce ..
+                   ' ' .. route)
+        local out = {1, 0, 0}
+        local thresholds, th_margin = parse_thresholds(threshold_spec)
+        local crossed = {}
+        for i = 1, nw do
+          local k = 6 * i - 3
+          local t = v[k + 1] + cost
+          if v[k + 3] == -1 then v[k + 3] = now end
+          v[k + 1] = t
+          out[2 * i + 2], out[2 * i + 3] = t, v[k + 3] + v[k]
+          if thresholds then
+            v[k + 5] = cross(thresholds, th_margin, crossed, i, limits[i], t - cost, t, v[k + 5])
+          end
+        end
+        if v[2] >= PURGE or (due and v[2] > 0) then
+          purge(v[6 * nw - 1])
+          v[2] = 0
+        end
+        v[1] = now
+        local size = 2 + 6 * nw  -- v's last item is struct.unpack's position: not packed
+        redis.call('HSET', meta_key, FIELD, struct.pack('<' .. string.rep('d', size),
+                                                        unpack(v, 1, size)))
+        if due then
+          local ttl = string.format('%d', longest + margin_ms + math.min(longest, 3600000))
+          redis.call('PEXPIRE', log_key, ttl)
+          redis.call('PEXPIRE', ev_key, ttl)
+          redis.call('PEXPIRE', meta_key, ttl)
+        end
+        for i = 1, #crossed do out[#out + 1] = crossed[i] end
+        return out
+      end
+    end
+  end
+end
+
+--#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
 local entitled = dr_key ~= nil
 --#include _budget_grants.lua  (entitlements and draws)
 
@@ -238,7 +319,6 @@ if ent then
     end
   end
   quota_w = call_windows[nw]
-  m.quota = quota_w
 end
 
 local longest = advance(m, now, call_windows)
@@ -291,11 +371,11 @@ end
 -- An id whose event has left every window but is still stored (deleted in batches) is no
 -- charge any more: it goes now, and the id may be charged again.
 local function added()
-  if redis.call('ZADD', log_key, 'NX', int(now), request_id) == 1 then return true end
+  if redis.call('ZADD', log_key, 'NX', now, request_id) == 1 then return true end
   if live_score(m, longest, request_id) then return false end
   redis.call('HDEL', ev_key, request_id)
   if dr_key then redis.call('HDEL', dr_key, request_id) end
-  redis.call('ZADD', log_key, int(now), request_id)
+  redis.call('ZADD', log_key, now, request_id)
   m.dead = math.max(0, m.dead - 1)
   return true
 end
@@ -337,13 +417,21 @@ if fits then
       s.total = s.total + cost
       if s.first == NONE then s.first = now end
     end
-    if ent then m.drawn_now = drawn end
-    local crossed = crossings(threshold_spec, m, cost)
+    -- usage thresholds crossed (the quota window counts t - d and the undrawn part)
+    local crossed = {}
+    local thresholds, th_margin = parse_thresholds(threshold_spec)
+    if thresholds then
+      for i, w in ipairs(call_windows) do
+        local s = m.windows[w]
+        local after, charged = s.total, cost
+        if w == quota_w then after, charged = after - s.drawn, cost - drawn end
+        s.level = cross(thresholds, th_margin, crossed, i, limits[i], after - charged, after,
+                        s.level)
+      end
+    end
     save_meta(m, now, longest)
     local out = reply(1, 0, 0)
-    if crossed then
-      for i = 1, #crossed do out[#out + 1] = crossed[i] end
-    end
+    for i = 1, #crossed do out[#out + 1] = crossed[i] end
     return out
   end
 elseif not live_score(m, longest, request_id) then

@@ -3,21 +3,22 @@
     @app.post("/v1/structured", dependencies=[Depends(require_tokens(cost=8))])
     async def structured(body: StructuredIn) -> StructuredOut: ...
 
-The dependency identifies the caller (401); once the request is valid, the guard reserves
-``cost`` tokens under the request's id in one atomic script and raises the public error
-when it cannot (429, 409, 503). The
-refund is not done here: ``UsageLimitsMiddleware`` sees the final status of the response
-(a route may *return* a 5xx, which a dependency never sees) and refunds every charge whose
-request did not succeed. A route that learns its real cost can lower the charge:
+The guard identifies the caller (401) before the request is validated; once the request
+is valid, it reserves ``cost`` tokens under the request's id in one atomic script and
+raises the public error when it cannot (429, 409, 503). The refund is not done here:
+``UsageLimitsMiddleware`` sees the final status of the response (a route may *return* a
+5xx, which a dependency never sees) and refunds every charge whose request did not
+succeed. A route that learns its real cost can lower the charge:
 
     async def route(charge: Charge = Depends(require_tokens(cost=10))):
         ...
         await charge.settle(3)
 
-The charge is made after FastAPI has validated the request: the dependency only identifies
-the caller, and ``create_app``'s routes (``web.metering``) reserve just before the route's
-code runs. A malformed request gets its 422 from everyone, whatever their budget, and costs
-no Redis call. A cost may also be computed from the validated request (``web.costs``):
+The charge is made after FastAPI has validated the request: ``create_app``'s routes
+(``web.metering``) take the guard over from FastAPI, identify the caller first and reserve
+just before the route's code runs. A malformed request gets its 422 from every identified
+caller, whatever their budget, and costs no Redis call. A cost may also be computed from
+the validated request (``web.costs``):
 
     @app.post("/v1/embeddings",
               dependencies=[Depends(require_tokens(cost=per_started(EmbeddingsIn, ...)))])

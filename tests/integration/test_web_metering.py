@@ -59,6 +59,13 @@ def build_app() -> FastAPI:
         calls.append("param")
         return {"n": item.n, "cost": charge.cost, "user": charge.user_id}
 
+    @app.post("/default")
+    async def default(item: Item,
+                      charge: Charge = Depends(require_tokens(cost=7))  # noqa: B008
+                      ) -> dict[str, Any]:
+        calls.append("default")
+        return {"n": item.n, "cost": charge.cost, "user": charge.user_id}
+
     @app.post("/shared", dependencies=[Depends(SHARED)])
     async def shared(charge: Annotated[Charge, Depends(SHARED)]) -> dict[str, int]:
         calls.append("shared")
@@ -131,7 +138,7 @@ def used(handler: Any, user: str) -> int:
     return invoke(handler, http_event("GET", "/used", user=user)).body["used"]
 
 
-@pytest.mark.parametrize("path", ["/listed", "/param", "/shared", "/sync"])
+@pytest.mark.parametrize("path", ["/listed", "/param", "/default", "/shared", "/sync"])
 def test_guard_is_not_in_the_dependant_fastapi_solves(app: FastAPI, path: str) -> None:
     """A route's guard is out of the dependant FastAPI solves per request, and still in the
     dependant OpenAPI and the price list read."""
@@ -163,10 +170,11 @@ def test_fastapi_calls_the_guard_only_where_the_route_could_not_take_it(
     assert bool(ran) is solved
 
 
-def test_parameter_declared_with_the_guard_receives_its_charge(app: FastAPI) -> None:
+@pytest.mark.parametrize("path", ["/param", "/default"])
+def test_parameter_declared_with_the_guard_receives_its_charge(app: FastAPI, path: str) -> None:
     """A route's parameter declared with require_tokens gets the request's reserved Charge."""
     handler, user = Mangum(app, lifespan="off"), uuid.uuid4().hex
-    res = invoke(handler, http_event("POST", "/param", body={"n": 3}, user=user))
+    res = invoke(handler, http_event("POST", path, body={"n": 3}, user=user))
     assert res.status == 200 and res.body == {"n": 3, "cost": 7, "user": user}
     assert res.headers["ratelimit"].startswith('"1h";r=13;')
     assert used(handler, user) == 7

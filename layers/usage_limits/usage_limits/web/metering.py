@@ -63,7 +63,8 @@ class MeteredRoute(APIRoute):
     its endpoint wrapper makes the charge once the request is valid, handing a parameter
     declared with the dependency its ``Charge``. A route with several different guards, or
     a guard inside another dependency, is left to FastAPI to solve, as is a route of an
-    included router (``RequestState.meter``).
+    included router (``RequestState.meter``). ``app.dependency_overrides`` does not
+    replace a guard the route took over.
     """
 
     reserves_after_validation = True  # guard.METERED_ROUTE: the guard checks routes by it
@@ -91,10 +92,8 @@ class MeteredRoute(APIRoute):
             handler = super().get_route_handler()
         finally:
             self.dependant = dependant
-        identify = guard.identify
-
         async def identified(request: Request) -> Response:
-            identify(request)
+            guard.identify(request)
             return await handler(request)
 
         return identified

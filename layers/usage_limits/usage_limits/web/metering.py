@@ -92,6 +92,7 @@ class MeteredRoute(APIRoute):
             handler = super().get_route_handler()
         finally:
             self.dependant = dependant
+
         async def identified(request: Request) -> Response:
             guard.identify(request)
             return await handler(request)
@@ -163,7 +164,7 @@ def metered(endpoint: Callable[..., Any], metering: Metering | None = None) -> C
     if _REQUEST_ARG in signature.parameters:
         raise InvalidArgument(f"an endpoint may not take an argument named {_REQUEST_ARG}")
     is_async = inspect.iscoroutinefunction(endpoint)
-    plan = Metering() if metering is None else metering
+    taken = Metering() if metering is None else metering
 
     @functools.wraps(endpoint)
     async def wrapper(**arguments: Any) -> Any:
@@ -175,14 +176,14 @@ def metered(endpoint: Callable[..., Any], metering: Metering | None = None) -> C
                 if answer is not None:
                     return answer
             await state.meter(arguments)
-        elif (guard := plan.guard) is not None:
+        elif (guard := taken.guard) is not None:
             guard.prepare(request, state)
             if state.idempotency is not None:
                 answer = await claim_key(state)
                 if answer is not None:
                     return answer
-            charge = await guard.charge(state, guard.cost_of(arguments), plan.route)
-            for name in plan.charge_args:
+            charge = await guard.charge(state, guard.cost_of(arguments), taken.route)
+            for name in taken.charge_args:
                 arguments[name] = charge
         if is_async:
             return await endpoint(**arguments)

@@ -28,12 +28,14 @@ hiredis, so "as it was" runs without it.
 
     .venv/bin/python bench/hotpath.py            # full run (a few minutes)
     .venv/bin/python bench/hotpath.py --quick    # every row, fewer calls (a minute or two)
+    .venv/bin/python bench/hotpath.py --guard-only --rounds 10  # the two guard rows alone
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -243,18 +245,30 @@ class Gathered:
         return self.usec[name] / max(1, self.calls[name])
 
 
-def run(preset_name: str, baseline: str) -> dict[str, Any]:
-    """Measure both trees; returns the numbers the table shows."""
+def run(preset_name: str, baseline: str, *, guard_only: bool = False,
+        rounds: int | None = None) -> dict[str, Any]:
+    """Measure both trees; returns the numbers the table shows.
+
+    Args:
+        preset_name: ``quick`` or ``full``.
+        baseline: the commit of "as it was".
+        guard_only: run only the guard workers (the two guard rows, no cold start).
+        rounds: interleaved rounds instead of the preset's.
+    """
     sys.path[:0] = [str(ROOT), str(BENCH)]
     import cold_start
 
     from local.redis_servers import RedisServer
 
     preset = QUICK if preset_name == "quick" else FULL
+    if rounds is not None:
+        preset = dataclasses.replace(preset, rounds=rounds)
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:
         trees = {"now": ROOT, "was": baseline_tree(baseline, Path(tmp))}
         specs = [("ledger", "now", True), ("ledger", "now-nohiredis", False),
                  ("ledger", "was", False), ("guard", "now", True), ("guard", "was", False)]
+        if guard_only:
+            specs = [spec for spec in specs if spec[0] == "guard"]
         workers = {}
         try:
             for kind, tag, hiredis in specs:
@@ -278,18 +292,20 @@ def run(preset_name: str, baseline: str) -> dict[str, Any]:
                         gathered[key].add_ledger(reply)
                     else:
                         gathered[key].add_guard(reply)
-            hiredis = {tag: workers[("ledger", tag)].hiredis  # type: ignore[attr-defined]
-                       for _, tag, _ in specs if ("ledger", tag) in workers}
+            kind = "guard" if guard_only else "ledger"
+            hiredis = {tag: workers[(kind, tag)].hiredis  # type: ignore[attr-defined]
+                       for _, tag, _ in specs if (kind, tag) in workers}
         finally:
             for worker in workers.values():
                 worker.stop()
         server.cli("FLUSHALL")
-        cold = cold_start.bench(preset.cold_repeats, tracing=False, secrets=False,
-                                trees={"now": trees["now"], "was": trees["was"]},
-                                handlers=list(preset.cold_handlers)
-                                if preset.cold_handlers else None, server=server)
+        cold = None if guard_only else cold_start.bench(
+            preset.cold_repeats, tracing=False, secrets=False,
+            trees={"now": trees["now"], "was": trees["was"]},
+            handlers=list(preset.cold_handlers) if preset.cold_handlers else None,
+            server=server)
     return {"preset": preset, "gathered": gathered, "cold": cold, "hiredis": hiredis,
-            "baseline": baseline}
+            "baseline": baseline, "guard_only": guard_only, "quick": preset_name == "quick"}
 
 
 def table(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
@@ -303,7 +319,7 @@ def table(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         return g.get(("ledger", tag))  # type: ignore[no-any-return]
 
     tags = ("now", "was", "now-nohiredis")
-    for n in preset.sizes:
+    for n in () if result["guard_only"] else preset.sizes:
         cells = []
         for tag in tags:
             led = ledger(tag)
@@ -311,7 +327,7 @@ def table(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                          f"({led.p50(str(n)):.0f} vs {led.p50('trivial'):.0f} µs)")
         rows.append((f"reserve p50 / trivial EVALSHA p50, {n:,} events", *cells,
                      "<= 1.5x (stretch 1.3x)"))
-    for n in preset.sizes:
+    for n in () if result["guard_only"] else preset.sizes:
         cells = [f"{ledger(tag).server(str(n)):.1f} µs" for tag in tags]
         rows.append((f"Redis time per steady-state reservation, {n:,} events", *cells,
                      "<= 30 µs"))
@@ -331,6 +347,8 @@ def table(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                          f" - {reserve:.0f})")
     rows.append(("the same in CPU time of the calling thread (p50)", *cpu_cells, "",
                  "<= 60 µs"))
+    if result["guard_only"]:
+        return rows
     cold_cells = []
     for tag in ("now", "was"):
         lazy, eager, ratio = cold_start.median_ratio(result["cold"][tag])
@@ -347,12 +365,15 @@ def table(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
 
 def print_table(result: dict[str, Any]) -> None:
     preset = result["preset"]
-    quick = " (--quick)" if preset is QUICK else ""
+    quick = " (--quick)" if result["quick"] else ""
+    quick += " (--guard-only)" if result["guard_only"] else ""
     handlers = ", ".join(preset.cold_handlers) if preset.cold_handlers else "every handler"
+    calls = (f"{preset.guard_calls} handler calls per kind and round" if result["guard_only"]
+             else f"{preset.ledger_calls} ledger calls and {preset.guard_calls} handler calls "
+                  f"per kind and round; cold start {handlers}, median of "
+                  f"{preset.cold_repeats} runs")
     print(f"\nHot path, now and as it was ({result['baseline']}), one run{quick}: "
-          f"{preset.rounds} interleaved rounds; {preset.ledger_calls} ledger calls and "
-          f"{preset.guard_calls} handler calls per kind and round; cold start {handlers}, "
-          f"median of {preset.cold_repeats} runs. hiredis: "
+          f"{preset.rounds} interleaved rounds; {calls}. hiredis: "
           + ", ".join(f"{tag} {'yes' if on else 'no'}" for tag, on in result["hiredis"].items())
           + "\n")
     print("| measure | now | as it was | now without hiredis | target |")
@@ -365,6 +386,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="every row, fewer calls")
     parser.add_argument("--baseline", default=BASELINE, help="the commit of 'as it was'")
+    parser.add_argument("--guard-only", action="store_true",
+                        help="only the two guard rows (no ledger rows, no cold start)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default: the preset's)")
     parser.add_argument("--worker", choices=("ledger", "guard"), help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
@@ -381,7 +405,8 @@ def main() -> None:
         else:
             guard_worker(args.redis, args.tag)
         return
-    print_table(run("quick" if args.quick else "full", args.baseline))
+    print_table(run("quick" if args.quick else "full", args.baseline,
+                    guard_only=args.guard_only, rounds=args.rounds))
 
 
 if __name__ == "__main__":

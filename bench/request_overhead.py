@@ -205,11 +205,10 @@ def profile_guard(requests: int) -> list[tuple[str, float]]:
 
     Calls the guarded and the unguarded route alternately; the parts are timed during the
     guarded calls only, and each row is a median over requests (a busy machine's preemptions
-    would swamp means). "The rest" is guarded - unguarded minus the dependency, the
-    reservation, the RateLimit headers and the metrics flush: FastAPI resolving one more
-    dependency and the metered endpoint's Request, the metering wrapper (the reservation
-    happens there, after the body is validated), the middleware's per-request work that a
-    charge adds, and the timers themselves.
+    would swamp means). "The rest" is guarded - unguarded minus the guard's steps (identify,
+    prepare, charge: the reservation is made inside charge), the RateLimit headers and the
+    metrics flush: the metered route's identification wrapper and endpoint wrapper, the
+    middleware's per-request work that a charge adds, and the timers themselves.
     """
     from local.redis_servers import RedisServer
     from usage_limits import budget as budget_module
@@ -222,12 +221,12 @@ def profile_guard(requests: int) -> list[tuple[str, float]]:
         bench = Invocations(server.url)
         parts = Parts()
         client = bench.runtime.get_redis.__globals__["_client"]
-        # the dependency itself: the closure FastAPI calls, found on the route
-        route = next(r for r in bench.handler.app.routes if getattr(r, "path", "") == "/guarded")
-        dependant = route.dependant.dependencies[0]
-        parts.wrap(dependant, "call", "dependency (reserve_tokens), all of it")
-        parts.wrap(guard, "current_user", "  current_user (identity, log keys, user hash)")
+        # the guard's steps, which the metered route runs (FastAPI no longer solves it)
+        parts.wrap(guard.TokenGuard, "identify", "guard: identify (before validation)")
+        parts.wrap(guard, "_identify", "  _identify (user id, log keys, user hash)")
         parts.wrap(identity, "request_id", "  identity.request_id")
+        parts.wrap(guard.TokenGuard, "prepare", "guard: prepare (plan, ledger, Charge)")
+        parts.wrap(guard.TokenGuard, "charge", "guard: charge, all of it")
         parts.wrap(guard, "settings", "settings()")
         parts.wrap(guard.runtime, "get_budget", "runtime.get_budget")
         parts.wrap(ledger.TokenBudget, "reserve", "TokenBudget.reserve, all of it")
@@ -257,13 +256,13 @@ def profile_guard(requests: int) -> list[tuple[str, float]]:
     spent = dict(rows)
     adds = guarded - plain
     trip = spent["  LuaScript call (EVALSHA round trip)"]
-    rest = (adds - spent["dependency (reserve_tokens), all of it"]
-            - spent["TokenBudget.reserve, all of it"] - spent["RateLimit headers (middleware)"]
-            - spent["obs.flush (metrics line)"])
+    rest = (adds - spent["guard: identify (before validation)"]
+            - spent["guard: prepare (plan, ledger, Charge)"] - spent["guard: charge, all of it"]
+            - spent["RateLimit headers (middleware)"] - spent["obs.flush (metrics line)"])
     return [("guarded invocation", guarded), ("unguarded invocation", plain),
             ("guard adds", adds), ("guard adds beyond its round trip (adds - LuaScript call)",
                                    adds - trip),
-            *rows, ("the rest: FastAPI, the metering wrapper, the middleware", rest)]
+            *rows, ("the rest: the metered route's wrappers, the middleware", rest)]
 
 
 def invocation_bench(requests: int) -> list[tuple[str, float, float, float]]:

@@ -91,3 +91,26 @@ def test_claim_names_reads_every_shape() -> None:
     assert claim_names("[a b]") == ["a", "b"]
     assert claim_names(["a", " b "]) == ["a", "b"]
     assert claim_names(7) == ["7"]
+
+
+def test_resolutions_repeated_per_request_give_the_same_answers() -> None:
+    """Resolving the same claim again (as every request does) gives the first answer, an
+    unknown claim still reported, and the override still wins over a claim seen before."""
+    plans = Plans.parse(PLANS)
+    for _ in range(3):
+        assert plans.resolve(claim="pro") == plans.resolve(claim="pro")
+        assert (plans.resolve().plan.name, plans.resolve().source) == ("free", "default")
+        assert plans.resolve(claim="platinum").unknown_claim == "platinum"
+        assert plans.resolve(override="free", claim="pro").source == "override"
+        assert plans.resolve(claim=["pro"]).plan.name == "pro"
+
+
+def test_many_distinct_claims_all_resolve() -> None:
+    """Past the claims a Plans keeps, every claim is still resolved by its own value."""
+    from usage_limits.entitlements.plans import MAX_KEPT_CLAIMS
+
+    plans = Plans.parse(PLANS)
+    for i in range(MAX_KEPT_CLAIMS + 10):
+        resolved = plans.resolve(claim=f"[group{i} pro]" if i % 2 else f"group{i}")
+        assert resolved.plan.name == ("pro" if i % 2 else "free")
+        assert resolved.unknown_claim == (None if i % 2 else f"group{i}")

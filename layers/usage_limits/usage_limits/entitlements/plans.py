@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from ..exceptions import InvalidArgument
@@ -81,6 +82,10 @@ class Plan:
     def longest_s(self) -> int:
         """The length of the plan's longest window (its quota period), seconds."""
         return max(seconds for _, seconds in self.windows)
+
+
+#: Claim values whose resolution a ``Plans`` keeps (a deployment sees a handful).
+MAX_KEPT_CLAIMS = 256
 
 
 @dataclass(frozen=True)
@@ -186,6 +191,23 @@ class Plans:
         chosen = self.get(override)
         if chosen is not None:
             return ResolvedPlan(chosen, "override")
+        # the same few claim values come with every request: each is worked out once
+        if claim is not None and not isinstance(claim, str):
+            return self._from_claim(claim)
+        known = self._by_claim.get(claim)
+        if known is None:
+            known = self._from_claim(claim)
+            if len(self._by_claim) < MAX_KEPT_CLAIMS:
+                self._by_claim[claim] = known
+        return known
+
+    @cached_property
+    def _by_claim(self) -> dict[str | None, ResolvedPlan]:
+        """Resolutions already made without an override, by the claim's value."""
+        return {}
+
+    def _from_claim(self, claim: object) -> ResolvedPlan:
+        """The plan a claim's value names, else the default."""
         names = claim_names(claim)
         for name in names:
             found = self.get(name)

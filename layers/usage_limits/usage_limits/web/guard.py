@@ -3,21 +3,22 @@
     @app.post("/v1/structured", dependencies=[Depends(require_tokens(cost=8))])
     async def structured(body: StructuredIn) -> StructuredOut: ...
 
-The dependency identifies the caller (401); once the request is valid, the guard reserves
-``cost`` tokens under the request's id in one atomic script and raises the public error
-when it cannot (429, 409, 503). The
-refund is not done here: ``UsageLimitsMiddleware`` sees the final status of the response
-(a route may *return* a 5xx, which a dependency never sees) and refunds every charge whose
-request did not succeed. A route that learns its real cost can lower the charge:
+The guard identifies the caller (401) before the request is validated; once the request
+is valid, it reserves ``cost`` tokens under the request's id in one atomic script and
+raises the public error when it cannot (429, 409, 503). The refund is not done here:
+``UsageLimitsMiddleware`` sees the final status of the response (a route may *return* a
+5xx, which a dependency never sees) and refunds every charge whose request did not
+succeed. A route that learns its real cost can lower the charge:
 
     async def route(charge: Charge = Depends(require_tokens(cost=10))):
         ...
         await charge.settle(3)
 
-The charge is made after FastAPI has validated the request: the dependency only identifies
-the caller, and ``create_app``'s routes (``web.metering``) reserve just before the route's
-code runs. A malformed request gets its 422 from everyone, whatever their budget, and costs
-no Redis call. A cost may also be computed from the validated request (``web.costs``):
+The charge is made after FastAPI has validated the request: ``create_app``'s routes
+(``web.metering``) take the guard over from FastAPI, identify the caller first and reserve
+just before the route's code runs. A malformed request gets its 422 from every identified
+caller, whatever their budget, and costs no Redis call. A cost may also be computed from
+the validated request (``web.costs``):
 
     @app.post("/v1/embeddings",
               dependencies=[Depends(require_tokens(cost=per_started(EmbeddingsIn, ...)))])
@@ -157,69 +158,95 @@ def _route_path(request: Request) -> str:
     return path if isinstance(path, str) else request.url.path
 
 
-def require_tokens(
-    cost: int | Cost[Any], *, route: str | None = None
-) -> Callable[[Request], Awaitable[Charge]]:
-    """A FastAPI dependency that reserves ``cost`` tokens once the request is validated.
+class TokenGuard:
+    """What one ``require_tokens(cost)`` declares, and the steps that charge it.
 
-    Args:
-        cost: tokens this route costs: a positive integer, or a ``Cost`` computed from the
-            route's validated request model (``costs.per_started``).
-        route: the name recorded on the spend event (default: the route's path).
+    ``MeteredRoute`` finds the guard of a route when the route is made and runs its steps
+    itself: ``identify`` before FastAPI validates the request, ``prepare`` and ``charge``
+    once it is valid. FastAPI then never solves the dependency per request. When FastAPI
+    does solve it (a route of an included router, or the guard inside another dependency),
+    the dependency runs ``identify`` and ``prepare`` and leaves ``charge`` to the route's
+    endpoint wrapper, as ``RequestState.meter``.
 
-    Returns:
-        The dependency; it gives the route the request's ``Charge``.
-
-    Raises:
-        InvalidArgument: ``cost`` is neither a positive integer nor a ``Cost`` (at import
-            time).
+    Attributes:
+        cost: the declared cost: a positive integer, or a ``Cost`` of the request model.
+        route: the name recorded on the spend event (None: the route's path).
     """
-    if not isinstance(cost, Cost) and (isinstance(cost, bool) or not isinstance(cost, int)
-                                       or cost <= 0):
-        raise InvalidArgument(f"require_tokens: cost must be a positive integer or a Cost, "
-                              f"got {cost!r}")
-    declared = cost
 
-    async def reserve_tokens(request: Request) -> Charge:
-        """Identify the caller and prepare the charge; ``meter`` reserves it."""
-        if not getattr(request.scope.get("route"), METERED_ROUTE, False):
-            raise InvalidArgument("require_tokens is only for routes of an app made by create_app")
-        state = request_state(request)
-        user = _identify(request)
+    __slots__ = ("cost", "route")
+
+    def __init__(self, cost: int | Cost[Any], route: str | None) -> None:
+        self.cost = cost
+        self.route = route
+
+    def identify(self, request: Request) -> None:
+        """Identify the caller and the request id before anything else is done.
+
+        Raises:
+            Unauthorized: the request names no user (401).
+            InvalidRequest: its Idempotency-Key is malformed (400).
+        """
+        _identify(request)
+        identity.request_id(request)
+
+    def prepare(self, request: Request, state: RequestState) -> Charge:
+        """The charge to be made for an identified request, under the caller's plan.
+
+        Returns:
+            The charge, not yet reserved (cost 0), also kept as ``state.pending``.
+        """
         plan = identity.plan(request).plan
         state.plan_name = plan.name
-        state.pending = Charge(runtime.get_budget(plan.windows), user,
-                               identity.request_id(request), 0, nonce="",
-                               entitlements=runtime.get_entitlements())
+        charge = state.pending = Charge(
+            runtime.get_budget(plan.windows), identity.user_id(request),
+            identity.request_id(request), 0, nonce="", entitlements=runtime.get_entitlements())
+        return charge
 
-        async def meter(arguments: dict[str, Any]) -> Charge:
-            if isinstance(declared, int):
-                return await charge_tokens(request, declared)
-            model = next((v for v in arguments.values() if isinstance(v, declared.model)), None)
-            if model is None:
-                raise InvalidArgument(f"the route takes no {declared.model.__name__} to price")
-            return await charge_tokens(request, declared.of(model))
+    def cost_of(self, arguments: dict[str, Any]) -> int:
+        """The request's cost: the fixed one, or the rule's for the validated request model.
 
-        state.meter = meter
-        return state.pending
+        Raises:
+            InvalidArgument: the route takes no argument of the ``Cost``'s model.
+        """
+        declared = self.cost
+        if isinstance(declared, int):
+            return declared
+        model = next((v for v in arguments.values() if isinstance(v, declared.model)), None)
+        if model is None:
+            raise InvalidArgument(f"the route takes no {declared.model.__name__} to price")
+        return declared.of(model)
 
-    async def charge_tokens(request: Request, cost: int) -> Charge:
-        """Reserve ``cost`` tokens for the prepared charge, or raise the public error."""
-        state = request_state(request)
+    async def charge(self, state: RequestState, cost: int, route: str) -> Charge:
+        """Reserve ``cost`` tokens for the prepared charge, or raise the public error.
+
+        Args:
+            state: the request's state, with the charge ``prepare`` made.
+            cost: tokens to reserve.
+            route: the name recorded on the spend event.
+
+        Returns:
+            The charge, now holding ``cost`` tokens (also ``state.charge``).
+
+        Raises:
+            BudgetExceeded: the budget has no room (429).
+            CostExceedsPlan: the cost can never fit a window of the plan (422).
+            IdempotencyConflict: the request id was charged already (409).
+            AccountSuspended: the account is suspended (403).
+            LimiterUnavailableError: Redis or the entitlements store failed (503).
+        """
         state.route_cost = cost
         charge = state.pending
         if charge is None:
             raise InvalidArgument("no charge was prepared for this request")
         user, rid, budget, ent = charge.user_id, charge.request_id, charge.budget, \
             charge.entitlements
-        name = route or _route_path(request)
         nonce = new_nonce()
         try:
             if ent is None:
-                reservation = await budget.reserve(user, rid, cost=cost, route=name,
+                reservation = await budget.reserve(user, rid, cost=cost, route=route,
                                                    nonce=nonce)
             else:  # loads the user's entitlements first when the cache has none
-                reservation = await ent.reserve(budget, user, rid, cost, route=name,
+                reservation = await ent.reserve(budget, user, rid, cost, route=route,
                                                 nonce=nonce, plan_name=state.plan_name)
         except LimiterUnavailable as exc:
             # Redis may have made the charge and lost only its reply (a kill or a timeout
@@ -271,11 +298,66 @@ def require_tokens(
         if reservation.crossings:  # published alongside the request, within a short bound
             events.publish_soon(events.threshold_events(user, state.plan_name,
                                                         reservation.crossings))
-        return state.charge
+        return charge
+
+
+#: Attribute of a ``require_tokens`` dependency holding its ``TokenGuard``.
+GUARD_ATTR = "token_guard"
+
+
+def token_guard(call: object) -> TokenGuard | None:
+    """The ``TokenGuard`` of a ``require_tokens`` dependency; None for any other callable."""
+    guard = getattr(call, GUARD_ATTR, None)
+    return guard if isinstance(guard, TokenGuard) else None
+
+
+def require_tokens(
+    cost: int | Cost[Any], *, route: str | None = None
+) -> Callable[[Request], Awaitable[Charge]]:
+    """A FastAPI dependency that reserves ``cost`` tokens once the request is validated.
+
+    On a route of ``create_app`` the route itself identifies the caller and makes the
+    charge (``web.metering``); FastAPI never calls the dependency, and a parameter declared
+    with it receives the request's ``Charge``.
+
+    Args:
+        cost: tokens this route costs: a positive integer, or a ``Cost`` computed from the
+            route's validated request model (``costs.per_started``).
+        route: the name recorded on the spend event (default: the route's path).
+
+    Returns:
+        The dependency; it gives the route the request's ``Charge``.
+
+    Raises:
+        InvalidArgument: ``cost`` is neither a positive integer nor a ``Cost`` (at import
+            time).
+    """
+    if not isinstance(cost, Cost) and (isinstance(cost, bool) or not isinstance(cost, int)
+                                       or cost <= 0):
+        raise InvalidArgument(f"require_tokens: cost must be a positive integer or a Cost, "
+                              f"got {cost!r}")
+    guard = TokenGuard(cost, route)
+
+    async def reserve_tokens(request: Request) -> Charge:
+        """Identify the caller and prepare the charge; the metered route's wrapper makes it
+        (FastAPI calls this only where the route could not take the guard over)."""
+        if not getattr(request.scope.get("route"), METERED_ROUTE, False):
+            raise InvalidArgument("require_tokens is only for routes of an app made by create_app")
+        guard.identify(request)
+        state = request_state(request)
+        charge = guard.prepare(request, state)
+
+        async def meter(arguments: dict[str, Any]) -> Charge:
+            return await guard.charge(state, guard.cost_of(arguments),
+                                      guard.route or _route_path(request))
+
+        state.meter = meter
+        return charge
 
     reserve_tokens.__name__ = (f"require_tokens_{cost}" if isinstance(cost, int)
                                else f"require_tokens_per_{cost.model.__name__}")
     reserve_tokens.cost = price(cost)  # type: ignore[attr-defined]  # read by the price-list test
+    setattr(reserve_tokens, GUARD_ATTR, guard)
     return reserve_tokens
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from .settings import settings
+
 if TYPE_CHECKING:
     from ..budget import TokenBudget
     from ..entitlements.cache import EntitlementCache
@@ -68,7 +70,6 @@ def get_budget(windows: tuple[tuple[int, int], ...]) -> TokenBudget:
         return budget
     from ..budget import TokenBudget, Window
     from ..thresholds import configured
-    from .settings import settings
 
     conf = settings()
     catalog = None
@@ -86,10 +87,7 @@ def get_entitlements() -> EntitlementCache | None:
     """The environment's entitlements cache over the store, or None when the entitlements
     table is not configured (the request path then reads no entitlements)."""
     global _entitlements
-    from .settings import settings
-
-    conf = settings()
-    if not conf.entitlements:
+    if not settings().entitlements:
         return None
     if _entitlements is None:
         from ..entitlements.cache import EntitlementCache

@@ -110,11 +110,12 @@ async def test_refund_settle_usage_reject_bad_arguments_before_redis(call: Any) 
 
 
 def test_reserve_arguments_follow_the_script_header() -> None:
-    """The reservation's ARGV is now, id, cost, nonce, route, margin, then the plan in one."""
+    """The reservation's ARGV is now, cost and margin in one, the id, the charge's record,
+    then the plan in one."""
     keys, args = budget()._reserve_call("alice", "req-1", 8, "/v1/structured", tuple(PLAN),
                                         1_000, "abcd")
     assert keys == ["ul:{u:alice}:log", "ul:{u:alice}:ev", "ul:{u:alice}:meta"]
-    assert args == [1_000, "req-1", 8, "abcd", "/v1/structured", 60_000,
+    assert args == [struct.pack("<3d", 1_000, 8, 60_000), "req-1", "8 abcd /v1/structured",
                     struct.pack("<4d", 3_600_000, 100, 2_592_000_000, 1_000)]
 
 

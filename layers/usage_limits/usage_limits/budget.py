@@ -710,9 +710,10 @@ class TokenBudget:
             raise CostExceedsLimit(
                 f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
                 cost=cost, limit=w.limit)
+        numbers = struct.pack("<3d", now, cost, self.key_margin_ms)
+        record = f"{cost} {nonce} {route}"
         if not self.entitlements:
-            return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail,
-                          *self._thresholds]
+            return keys, [numbers, request_id, record, *tail, *self._thresholds]
         entitled = self._ent_arg.get(plan_name)
         if entitled is None:
             if len(self._ent_arg) >= 64:  # plan names come from the catalog or a claim
@@ -720,8 +721,7 @@ class TokenBudget:
             low, margin, catalog = self._ent_args
             entitled = self._ent_arg[plan_name] = (
                 f"{plan_name} {low} {margin} ".encode() + catalog)
-        return keys, [now, request_id, cost, nonce, route, self.key_margin_ms, *tail,
-                      self._threshold_arg, entitled]
+        return keys, [numbers, request_id, record, *tail, self._threshold_arg, entitled]
 
 
 def new_nonce() -> str:

@@ -7,30 +7,33 @@ A call where no event leaves any window reads no range of the log.
 
 KEYS[1]  log         zset: member = request id, score = time of the charge, ms since the epoch
 KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in tokens)
-KEYS[3]  meta        hash:  clk    latest clock seen, ms (the key's clock never runs back)
-                            t:<W>  tokens counted in the window of W ms
-                            lo:<W> cursor, ms: every event scored <= lo:<W> is out of t:<W>
-                            f:<W>  score of the oldest event t:<W> counts, ms (-1: none);
-                                   a cursor that stays below it passes no event, so most
-                                   calls read no range; missing = unknown (looked up)
-ARGV[1]  now_ms      caller's clock, ms since the epoch (integer)
+KEYS[3]  meta        hash: m, the key's clock (it never runs back) and per window a running
+                     total, a cursor (every event scored <= it is out of the total) and the
+                     oldest event counted, so that most calls read no range of the log
+                     (_budget_meta.lua)
+ARGV[1]  numbers     now_ms, cost and margin_ms as three little-endian doubles (struct '<ddd'):
+                       now_ms     caller's clock, ms since the epoch (integer)
+                       cost       tokens to charge (integer >= 1)
+                       margin_ms  keys live this long past the longest window, ms (>= 0)
 ARGV[2]  request_id  the charge's id (printable, at most 256 characters)
-ARGV[3]  cost        tokens to charge (integer >= 1)
-ARGV[4]  nonce       random per call, no spaces: tells a client's re-send of this very call
-                     (same nonce) from a second reservation of the same id (other nonce)
-ARGV[5]  route       route recorded with the charge (audit trail), may be empty
-ARGV[6]  margin_ms   keys live this long past the longest window, ms (integer >= 0)
-ARGV[7]  plan        the windows, shortest first, binary: per window its length in ms and its
+ARGV[3]  record      "<cost> <nonce> <route>", stored as the charge's ev record as it is:
+                       nonce  random per call, no spaces: tells a client's re-send of this
+                              very call (same nonce) from a second reservation of the same
+                              id (other nonce)
+                       route  recorded with the charge (audit trail), may be empty
+ARGV[4]  plan        the windows, shortest first, binary: per window its length in ms and its
                      limit in tokens, each a little-endian double (struct.pack '<dd...'):
                      one argument the client encodes once per plan, and one struct call
                      here instead of parsing two numbers per window from text
-ARGV[8]  thresholds  optional: usage thresholds, "80,100/5" (percents of a window's limit /
+ARGV[5]  thresholds  optional: usage thresholds, "80,100/5" (percents of a window's limit /
                      margin in percentage points; _budget_thresholds.lua); absent or '' = none
+(Few arguments, each cheap to read: the client encodes, and Redis and Lua take in, one
+string per argument on every call.)
 
 With entitlements on (KEYS[4] and KEYS[5] given; _budget_grants.lua describes them):
 KEYS[4]  ent         hash: epoch, want, plan, susp, g:<reference> (the user's entitlements)
 KEYS[5]  dr          hash: request id -> "#<epoch> <ref>=<n> ..." (draws of each charge)
-ARGV[9]  entitled    "<plan_name> <low> <low_margin> <catalog>" in one argument (the client
+ARGV[6]  entitled    "<plan_name> <low> <low_margin> <catalog>" in one argument (the client
                      encodes it once per plan name):
                      plan_name   the caller's plan (JWT claim or default; may be empty),
                                  used unless ent.plan names a plan of the catalog
@@ -81,16 +84,13 @@ local meta_key = KEYS[3]
 local ent_key = KEYS[4]
 local dr_key = KEYS[5]
 
-local now_arg = tonumber(ARGV[1])
+local now_arg, cost, margin_ms = struct.unpack('<ddd', ARGV[1])
 local request_id = ARGV[2]
-local cost = tonumber(ARGV[3])
-local nonce = ARGV[4]
-local route = ARGV[5]
-local margin_ms = tonumber(ARGV[6])
-local plan = ARGV[7]
+local record = ARGV[3]
+local plan = ARGV[4]
 local call_windows, limits = {}, {}
-local threshold_spec = ARGV[8] or ''
-local entitled_arg = ARGV[9]
+local threshold_spec = ARGV[5] or ''
+local entitled_arg = ARGV[6]
 local plan_name = entitled_arg and string.match(entitled_arg, '^%S*')  -- the rest: when needed
 local plan_values = {struct.unpack('<' .. string.rep('d', #plan / 8), plan)}
 for i = 1, #plan / 16 do
@@ -142,8 +142,7 @@ if not dr_key then
       local longest = call_windows[nw]
       local due = v[6 * nw] == -1 or redis.call('PTTL', meta_key) < longest + margin_ms
       if redis.call('ZADD', log_key, 'NX', now, request_id) == 1 then
-        redis.call('HSET', ev_key, request_id, string.format('%d', cost) .. ' ' .. nonce ..
-                   ' ' .. route)
+        redis.call('HSET', ev_key, request_id, record)
         local out = {1, 0, 0}
         local thresholds, th_margin = parse_thresholds(threshold_spec)
         local crossed = {}
@@ -178,6 +177,7 @@ if not dr_key then
   end
 end
 
+local nonce = string.match(record, '^%d+ (%S+)')  -- this call's, as the ev records hold it
 --#include _budget_windows.lua  (the window bookkeeping shared with the other budget scripts)
 local entitled = dr_key ~= nil
 --#include _budget_grants.lua  (entitlements and draws)
@@ -383,7 +383,7 @@ end
 if fits then
   -- NX: an id already counted keeps its charge (a duplicate, answered below)
   if added() then
-    redis.call('HSET', ev_key, request_id, int(cost) .. ' ' .. nonce .. ' ' .. route)
+    redis.call('HSET', ev_key, request_id, record)
     if drawn > 0 then
       -- the draws become real: remaining, credit crossings, the dr record, every d:<W>
       local low = tonumber(string.match(entitled_arg, '^%S* (%d+)'))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from usage_limits.exceptions import InvalidArgument
@@ -23,6 +25,13 @@ def test_values_are_read_sorted_and_none_turns_them_off() -> None:
     env = {ATTO_USAGE_THRESHOLDS: "100, 50,90", ATTO_USAGE_THRESHOLD_MARGIN: "0"}
     assert Thresholds.from_env(env).spec == "50,90,100/0"
     assert Thresholds.from_env({ATTO_USAGE_THRESHOLDS: "none"}).spec == ""
+
+
+def test_the_script_reads_the_margin_then_the_thresholds_ascending_as_doubles() -> None:
+    """The script's argument is the margin and the thresholds (ascending) as little-endian
+    doubles, and empty without thresholds."""
+    assert Thresholds((50, 90, 100), 3).script_arg == struct.pack("<4d", 3, 50, 90, 100)
+    assert Thresholds((), 5).script_arg == b""
 
 
 @pytest.mark.parametrize("env", [

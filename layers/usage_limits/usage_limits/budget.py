@@ -420,8 +420,8 @@ class TokenBudget:
         self.windows = _plan(windows)
         self.key_margin_ms = round(key_margin_s * 1000)
         self._default_args = _plan_args(self.windows)
-        self._thresholds = () if thresholds is None or not thresholds.spec else (
-            thresholds.spec,)
+        self._thresholds = () if thresholds is None or not thresholds.percents else (
+            thresholds.script_arg,)
         self.entitlements = bool(entitlements)
         self.catalog: dict[str, tuple[Window, ...]] = {}
         for name, plan in (catalog or {}).items():
@@ -435,7 +435,7 @@ class TokenBudget:
         self._credit_args = (credit_low_percent, margin)
         self._ent_args = (credit_low_percent, margin, self._catalog_arg)
         self._ent_arg: dict[str, bytes] = {}  # ARGV[9] of the reserve script, per plan name
-        self._threshold_arg = self._thresholds[0] if self._thresholds else ""
+        self._threshold_arg = self._thresholds[0] if self._thresholds else b""
         #: the smallest limit a cost must fit in some plan (the scripts check the plan used)
         self._any_plan_smallest = max(
             [_plan_args(p)[0] for p in self.catalog.values()] + [self._default_args[0]])

@@ -12,6 +12,7 @@ Environment: ``ATTO_USAGE_THRESHOLDS`` (percents, comma-separated, default ``80,
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -54,10 +55,18 @@ class Thresholds:
 
     @property
     def spec(self) -> str:
-        """The compact form the reservation script reads, ``"80,100/5"`` ('' for none)."""
+        """The thresholds and margin in short, ``"80,100/5"`` ('' for none)."""
         if not self.percents:
             return ""
         return ",".join(str(p) for p in self.percents) + f"/{self.margin}"
+
+    @property
+    def script_arg(self) -> bytes:
+        """What the reservation script reads: the margin, then the thresholds ascending, as
+        little-endian doubles (b'' for none), so that it parses no text on every charge."""
+        if not self.percents:
+            return b""
+        return struct.pack(f"<{1 + len(self.percents)}d", self.margin, *self.percents)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Thresholds:

@@ -2,8 +2,8 @@
 Not a script of its own: LuaScript pastes it where a script says
 `--#include _budget_thresholds.lua`.
 
-A spec "80,100/5" names the thresholds (percent of a window's limit, ascending) and the
-margin (percentage points). Per window the user's meta keeps n, the highest threshold
+A spec (Thresholds.script_arg: little-endian doubles, the margin in percentage points, then
+the thresholds in percent of a window's limit, ascending) names them. Per window the user's meta keeps n, the highest threshold
 already reported (percent; 0 = none; _budget_meta.lua). A charge that takes a window's total from `before` to `after` crosses threshold p when
 after * 100 >= p * limit and p is above n. A reported threshold is forgotten (so that
 it can be reported again) once a charge finds the total below it by more than the margin:
@@ -15,12 +15,11 @@ when charging. The level lives in meta and expires with it.
 -- The thresholds (ascending) and the margin of a spec; nil for an empty spec.
 local function parse_thresholds(spec)
   if not spec or spec == '' then return nil end
-  local list, margin = string.match(spec, '^([%d,]+)/(%d+)$')
-  if not list then return nil end
-  local out = {}
-  for p in string.gmatch(list, '%d+') do out[#out + 1] = tonumber(p) end
-  table.sort(out)
-  return out, tonumber(margin)
+  local n = #spec / 8
+  local v = {struct.unpack('<' .. string.rep('d', n), spec)}
+  local margin = table.remove(v, 1)
+  v[n] = nil  -- struct's position
+  return v, margin
 end
 
 -- One window's crossings: appends (position, percent) pairs to `out` for the thresholds a

@@ -25,8 +25,9 @@ ARGV[4]  plan        the windows, shortest first, binary: per window its length 
                      limit in tokens, each a little-endian double (struct.pack '<dd...'):
                      one argument the client encodes once per plan, and one struct call
                      here instead of parsing two numbers per window from text
-ARGV[5]  thresholds  optional: usage thresholds, "80,100/5" (percents of a window's limit /
-                     margin in percentage points; _budget_thresholds.lua); absent or '' = none
+ARGV[5]  thresholds  optional: usage thresholds, the margin in percentage points then the
+                     percents of a window's limit, ascending, as little-endian doubles
+                     (_budget_thresholds.lua); absent or '' = none
 (Few arguments, each cheap to read: the client encodes, and Redis and Lua take in, one
 string per argument on every call.)
 
@@ -110,7 +111,9 @@ if not dr_key then
   local packed = redis.call('HGET', meta_key, FIELD)
   local nw = #call_windows
   if packed and #packed == 16 + 48 * nw then
-    local v = {struct.unpack('<' .. string.rep('d', 2 + 6 * nw), packed)}
+    local size = 2 + 6 * nw
+    local layout = '<' .. string.rep('d', size)
+    local v = {struct.unpack(layout, packed)}  -- then struct's position (v[size + 1])
     local now = math.max(now_arg, v[1])
     local fast = true
     for i = 1, nw do
@@ -145,7 +148,7 @@ if not dr_key then
         redis.call('HSET', ev_key, request_id, record)
         local out = {1, 0, 0}
         local thresholds, th_margin = parse_thresholds(threshold_spec)
-        local crossed = {}
+        local crossed = thresholds and {}
         for i = 1, nw do
           local k = 6 * i - 3
           local t = v[k + 1] + cost
@@ -161,16 +164,16 @@ if not dr_key then
           v[2] = 0
         end
         v[1] = now
-        local size = 2 + 6 * nw  -- v's last item is struct.unpack's position: not packed
-        redis.call('HSET', meta_key, FIELD, struct.pack('<' .. string.rep('d', size),
-                                                        unpack(v, 1, size)))
+        redis.call('HSET', meta_key, FIELD, struct.pack(layout, unpack(v, 1, size)))
         if due then
           local ttl = string.format('%d', longest + margin_ms + math.min(longest, 3600000))
           redis.call('PEXPIRE', log_key, ttl)
           redis.call('PEXPIRE', ev_key, ttl)
           redis.call('PEXPIRE', meta_key, ttl)
         end
-        for i = 1, #crossed do out[#out + 1] = crossed[i] end
+        if crossed then
+          for i = 1, #crossed do out[#out + 1] = crossed[i] end
+        end
         return out
       end
     end

@@ -7,6 +7,9 @@ text of the same total length costs, and 64 full texts cost 64 times one.
 
 from __future__ import annotations
 
+import usage_limits.coldstart  # noqa: F401  (first: no garbage collection while the module loads)
+
+# isort: split
 from typing import Annotated
 
 from fastapi import Depends

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import usage_limits.coldstart  # noqa: F401  (first: no garbage collection while the module loads)
+
+# isort: split
 from typing import Annotated
 
 from fastapi import Depends, Query

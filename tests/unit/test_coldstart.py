@@ -46,9 +46,11 @@ def import_handler(function: str, *, in_lambda: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("function", FUNCTIONS)
-def test_importing_a_handler_loads_no_powertools_or_aws_sdk(function: str) -> None:
-    """No handler's import loads Powertools, boto3 or botocore."""
+def test_importing_a_handler_loads_no_pydantic_v1_powertools_or_aws_sdk(function: str) -> None:
+    """Building the routes no longer imports pydantic.v1 (FastAPI's check for v1 models),
+    and no handler's import loads Powertools, boto3 or botocore."""
     modules = import_handler(function, in_lambda=True)["modules"]
+    assert "pydantic.v1" not in modules
     loaded = {m.split(".")[0] for m in modules}
     assert not loaded & {"aws_lambda_powertools", "boto3", "botocore"}
 
@@ -81,3 +83,29 @@ def test_resume_without_pause_changes_nothing() -> None:
     assert coldstart.resume() is False
     assert gc.isenabled()
     assert gc.get_freeze_count() == frozen
+
+
+def test_pydantic_v1_models_are_still_refused() -> None:
+    """Once pydantic.v1 is loaded, a route with a v1 model is refused, as FastAPI does."""
+    code = """
+import warnings
+from usage_limits.web import create_app
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from pydantic import v1
+class Old(v1.BaseModel):
+    name: str
+app = create_app("v1")
+try:
+    @app.post("/old")
+    async def old(body: Old) -> dict:
+        return {}
+except Exception as exc:
+    print(type(exc).__name__)
+else:
+    print("accepted")
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "layers" / "usage_limits")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["PydanticV1NotSupportedError"]

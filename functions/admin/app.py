@@ -7,7 +7,7 @@ Every change needs a reason and is audited with the caller's IAM principal.
 
 from __future__ import annotations
 
-import usage_limits.coldstart  # noqa: F401  (first: no garbage collection while the module loads)
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
 
 # isort: split
 from datetime import datetime

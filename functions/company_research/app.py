@@ -9,7 +9,7 @@ search alone (``SEARCH_ONLY_COST``).
 
 from __future__ import annotations
 
-import usage_limits.coldstart  # noqa: F401  (first: no garbage collection while the module loads)
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
 
 # isort: split
 import re

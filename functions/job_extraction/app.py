@@ -10,7 +10,7 @@ skills) win over the model's reading, since the page declares them itself.
 
 from __future__ import annotations
 
-import usage_limits.coldstart  # noqa: F401  (first: no garbage collection while the module loads)
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
 
 # isort: split
 import json

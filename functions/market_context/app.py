@@ -7,7 +7,7 @@ knows nothing about gets a fixed narrative, no model call, and costs 2 tokens.
 
 from __future__ import annotations
 
-import usage_limits.coldstart  # noqa: F401  (first: no garbage collection while the module loads)
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
 
 # isort: split
 import json

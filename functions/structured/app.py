@@ -7,7 +7,7 @@ prompt alone may be 1 or 32,000 characters.
 
 from __future__ import annotations
 
-import usage_limits.coldstart  # noqa: F401  (first: no garbage collection while the module loads)
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
 
 # isort: split
 import json

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import usage_limits.coldstart  # noqa: F401  (first: no garbage collection while the module loads)
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
 
 # isort: split
 from typing import Annotated

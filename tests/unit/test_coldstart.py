@@ -1,5 +1,6 @@
-"""What a handler module's import does, in a fresh interpreter: what it loads, and the
-garbage collector paused while it loads (``usage_limits.coldstart``)."""
+"""What a handler module's import does, in a fresh interpreter: what it loads, and in Lambda
+the garbage collector paused and model builds deferred while it loads
+(``usage_limits.coldstart``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def loading():
 
 gc.callbacks.append(lambda phase, info: phase == "start" and loading() and collections.append(1))
 import app
+from fastapi.openapi.models import OpenAPI
 print(json.dumps({"collections": len(collections), "enabled": gc.isenabled(),
+                  "openapi_built": OpenAPI.__pydantic_complete__,
                   "frozen": gc.get_freeze_count(), "modules": sorted(sys.modules)}))
 """
 
@@ -62,6 +65,54 @@ def test_in_lambda_the_collector_is_paused_while_a_handler_module_loads() -> Non
     assert result["collections"] == 0
     assert result["enabled"]
     assert result["frozen"] > 10_000
+    assert not result["openapi_built"]
+
+
+#: In Lambda: FastAPI's models deferred by the import, then the app still answers an invalid
+#: body (validation errors) and still writes its OpenAPI document; models made after the
+#: import are built at once.
+DEFERRED_MODELS = """
+import json, time
+from pathlib import Path
+import app
+from fastapi.openapi import models
+from pydantic import BaseModel
+deferred = not models.OpenAPI.__pydantic_complete__
+
+class Later(BaseModel):
+    x: int
+
+class Context:
+    function_name, aws_request_id, memory_limit_in_mb = "f", "r", 512
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:f"
+    def get_remaining_time_in_millis(self):
+        return 10_000
+
+event = json.loads(Path(EVENT).read_text())
+event["body"] = json.dumps({"input": []})
+event["headers"]["content-length"] = str(len(event["body"]))
+answer = app.handler(event, Context())
+print(json.dumps({"deferred": deferred, "later_built": Later.__pydantic_complete__,
+                  "status": answer["statusCode"],
+                  "code": json.loads(answer["body"])["error"]["code"],
+                  "paths": sorted(app.app.openapi()["paths"])}))
+"""
+
+
+def test_in_lambda_models_made_while_loading_are_built_on_first_use() -> None:
+    """FastAPI's OpenAPI models are not built by the import, the app still validates
+    requests and writes its OpenAPI document, and later models are built at once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "ATTO_"))}
+    env.update({"PYTHONPATH": os.pathsep.join(str(ROOT / "layers" / p)
+                                              for p in ("usage_limits", "providers")),
+                "ATTO_ENV": "local", "AWS_LAMBDA_FUNCTION_NAME": "embeddings-function",
+                "REDIS_URL": "redis://127.0.0.1:1"})
+    code = DEFERRED_MODELS.replace("EVENT", repr(str(ROOT / "events" / "embeddings.json")))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "functions" / "embeddings",
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result == {"deferred": True, "later_built": True, "status": 422,
+                      "code": "invalid_request", "paths": ["/v1/embeddings"]}
 
 
 def test_outside_lambda_the_collector_is_left_alone() -> None:
@@ -70,6 +121,7 @@ def test_outside_lambda_the_collector_is_left_alone() -> None:
     assert result["collections"] > 10
     assert result["enabled"]
     assert result["frozen"] == 0
+    assert result["openapi_built"]
 
 
 def test_resume_without_pause_changes_nothing() -> None:

@@ -38,7 +38,8 @@ _paused = False
 
 
 def pause() -> bool:
-    """Turn the collector off until ``resume``, inside Lambda and if it is on.
+    """Turn the collector off until ``resume``, inside Lambda and if it is on; then import
+    FastAPI with its models' builds deferred, if nothing has imported it yet.
 
     Returns:
         True when this call paused it.

@@ -66,6 +66,9 @@ METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+_original: list[Any] = []  # FastAPI's own check, once replaced
+
+
 def _check_v1_models_only_once_loaded() -> None:
     """Keep FastAPI from importing ``pydantic.v1`` to build a route.
 
@@ -83,9 +86,6 @@ def _check_v1_models_only_once_loaded() -> None:
         return
     _original.append(check)
     shared.is_pydantic_v1_model_class = _only_once_loaded
-
-
-_original: list[Any] = []  # FastAPI's own check, once replaced
 
 
 def _only_once_loaded(cls: Any) -> bool:

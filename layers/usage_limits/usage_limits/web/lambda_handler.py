@@ -6,8 +6,7 @@ into a bare 500. Here it gets the public 400 ``invalid_request`` instead; nothin
 charged, since the app never ran.
 
 Making the handler ends the module's initialisation: the garbage collector, paused by
-``usage_limits.coldstart`` while the module was imported, runs again from here on, and
-pydantic builds models made from here on at once again.
+``usage_limits.coldstart`` while the module was imported, runs again from here on.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ def lambda_handler(app: Any) -> Callable[[dict[str, Any], Any], dict[str, Any]]:
 
     snapstart.install()  # under SnapStart: nothing made before the snapshot is shared
     mangum = Mangum(app, lifespan="off")
-    coldstart.resume()  # the module is made: GC on, model builds not deferred (see coldstart)
+    coldstart.resume()  # the module is made: the collector runs again (see coldstart)
 
     def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         try:

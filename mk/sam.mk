@@ -16,7 +16,8 @@ CFN_LINT := $(TOOLS)/bin/cfn-lint
 TOOLS_STAMP := $(TOOLS)/.installed
 SAM_CLI_VERSION ?= 1.170.0
 CFN_LINT_VERSION ?= 1.58.0
-# A CPython 3.12 (Lambda's) lets the layer Makefiles ship bytecode; found once, else none.
+# A CPython 3.12 (Lambda's) lets the layer and function Makefiles ship bytecode; found once,
+# else none.
 ifeq ($(origin PY312),undefined)
 PY312 := $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),\
   $(shell $(p) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && echo $(p))))

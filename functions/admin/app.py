@@ -7,6 +7,9 @@ Every change needs a reason and is audited with the caller's IAM principal.
 
 from __future__ import annotations
 
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
+
+# isort: split
 from datetime import datetime
 from typing import Annotated, Any, Literal
 

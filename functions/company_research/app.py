@@ -9,6 +9,9 @@ search alone (``SEARCH_ONLY_COST``).
 
 from __future__ import annotations
 
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
+
+# isort: split
 import re
 from typing import Annotated, Any
 from urllib.parse import urlsplit

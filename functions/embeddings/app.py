@@ -7,6 +7,9 @@ text of the same total length costs, and 64 full texts cost 64 times one.
 
 from __future__ import annotations
 
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
+
+# isort: split
 from typing import Annotated
 
 from fastapi import Depends

@@ -10,6 +10,9 @@ skills) win over the model's reading, since the page declares them itself.
 
 from __future__ import annotations
 
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
+
+# isort: split
 import json
 import math
 from typing import Any, Literal

@@ -7,6 +7,9 @@ knows nothing about gets a fixed narrative, no model call, and costs 2 tokens.
 
 from __future__ import annotations
 
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
+
+# isort: split
 import json
 from typing import Annotated
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
+
+# isort: split
 from typing import Annotated
 
 from fastapi import Depends, Query

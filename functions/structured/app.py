@@ -7,6 +7,9 @@ prompt alone may be 1 or 32,000 characters.
 
 from __future__ import annotations
 
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
+
+# isort: split
 import json
 from typing import Any
 

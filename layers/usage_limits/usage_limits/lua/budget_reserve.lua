@@ -102,12 +102,13 @@ end
 --#include _budget_thresholds.lua  (usage-threshold crossings)
 
 -- The common case first, in as little Lua as it takes (Redis bills a script by the time it
--- runs): entitlements off, meta holds exactly this plan's windows, at most one event leaves
--- each window, the charge fits and its id is not in the log. It computes what the general
--- code below computes for that case, with meta's numbers in one flat array instead of
--- tables and closures. Anything else is seen before the first write, and the general code
--- starts over.
-if not dr_key then
+-- runs): meta holds exactly this plan's windows, at most one event leaves each window, the
+-- charge fits without drawing credit and its id is not in the log; with entitlements on,
+-- the user's copy is loaded, names no other plan and no suspension in force, and no event
+-- that drew credit leaves a window. It computes what the general code below computes for
+-- that case, with meta's numbers in one flat array instead of tables and closures.
+-- Anything else is seen before the first write, and the general code starts over.
+do
   local packed = redis.call('HGET', meta_key, FIELD)
   local nw = #call_windows
   if packed and #packed == 16 + 48 * nw then
@@ -115,8 +116,16 @@ if not dr_key then
     local layout = '<' .. string.rep('d', size)
     local v = {struct.unpack(layout, packed)}  -- then struct's position (v[size + 1])
     local now = math.max(now_arg, v[1])
-    local fast = true
+    local fast, epoch = true, nil
+    if dr_key then
+      local e = redis.call('HMGET', ent_key, 'epoch', 'plan', 'susp')
+      local susp = tonumber(e[3])
+      epoch = tonumber(e[1])
+      fast = epoch ~= nil and (not e[2] or e[2] == plan_name)
+             and not (susp and (susp == 0 or now < susp))
+    end
     for i = 1, nw do
+      if not fast then break end
       local k = 6 * i - 3  -- v[k..k+5]: W t lo f d n of window i
       local w, t, lo, f = v[k], v[k + 1], v[k + 2], v[k + 3]
       local b = now - w
@@ -129,7 +138,8 @@ if not dr_key then
           f = items[2] and tonumber(items[2]) or -1
           if f ~= -1 and f <= b then
             f = items[4] and tonumber(items[4]) or -1
-            if f ~= -1 and f <= b then fast = false break end  -- two or more leave
+            -- two or more leave, or one whose draws the window counts: the general code
+            if (f ~= -1 and f <= b) or v[k + 4] > 0 then fast = false break end
             local rec = redis.call('HGET', ev_key, items[1])
             t = t - (rec and tonumber(string.match(rec, '^%d+')) or 0)
             if i == nw then v[2] = v[2] + 1 end  -- out of every window: dead
@@ -139,14 +149,22 @@ if not dr_key then
       elseif f == -2 then
         fast = false break  -- the first event is unknown: looked up there
       end
-      if t + cost > limits[i] then fast = false break end  -- rejected: the general code
+      -- rejected, or (the quota, t - d, with entitlements on) needing credit: the general code
+      if t - (epoch and i == nw and v[k + 4] or 0) + cost > limits[i] then
+        fast = false break
+      end
     end
     if fast then
       local longest = call_windows[nw]
       local due = v[6 * nw] == -1 or redis.call('PTTL', meta_key) < longest + margin_ms
       if redis.call('ZADD', log_key, 'NX', now, request_id) == 1 then
         redis.call('HSET', ev_key, request_id, record)
-        local out = {1, 0, 0}
+        -- reply: status, retry, binding, (entitlements on: the ent block: nothing drawn,
+        -- credit not read, not suspended), then per window used and resets_at
+        local out, at = {1, 0, 0}, 3
+        if epoch then
+          out[4], at = string.format('%d 0 -1 -1 %s||', epoch, plan_name), 4
+        end
         local thresholds, th_margin = parse_thresholds(threshold_spec)
         local crossed = thresholds and {}
         for i = 1, nw do
@@ -154,9 +172,11 @@ if not dr_key then
           local t = v[k + 1] + cost
           if v[k + 3] == -1 then v[k + 3] = now end
           v[k + 1] = t
-          out[2 * i + 2], out[2 * i + 3] = t, v[k + 3] + v[k]
+          local used = (epoch and i == nw) and t - v[k + 4] or t  -- the quota counts t - d
+          out[at + 2 * i - 1], out[at + 2 * i] = used, v[k + 3] + v[k]
           if thresholds then
-            v[k + 5] = cross(thresholds, th_margin, crossed, i, limits[i], t - cost, t, v[k + 5])
+            v[k + 5] = cross(thresholds, th_margin, crossed, i, limits[i], used - cost, used,
+                             v[k + 5])
           end
         end
         if v[2] >= PURGE or (due and v[2] > 0) then
@@ -170,6 +190,10 @@ if not dr_key then
           redis.call('PEXPIRE', log_key, ttl)
           redis.call('PEXPIRE', ev_key, ttl)
           redis.call('PEXPIRE', meta_key, ttl)
+          if dr_key then
+            redis.call('PEXPIRE', ent_key, ttl, 'GT')  -- never shortens a load's expiry
+            redis.call('PEXPIRE', dr_key, ttl)
+          end
         end
         if crossed then
           for i = 1, #crossed do out[#out + 1] = crossed[i] end

@@ -101,29 +101,52 @@ end
 --#include _budget_meta.lua  (meta's one-field layout)
 --#include _budget_thresholds.lua  (usage-threshold crossings)
 
+-- (Entitlements on) an operator's override: when `name` (ent's plan) names a plan of the
+-- catalog, the call uses that plan: plan_name, call_windows and limits become its. An
+-- override naming no plan of the catalog is ignored. Entries ";<name>=<plan>" (names hold
+-- no ';' or '=').
+local use_override = nil
+if dr_key then
+  use_override = function(name)
+    local catalog = string.match(entitled_arg, '^%S* %d+ %d+ (.*)$') or ''
+    local at = string.find(catalog, ';' .. name .. '=', 1, true)
+    if not at then return end
+    plan_name = name
+    local spec = string.match(catalog, '^[^;]*', at + #name + 2)
+    local n = 0
+    for w, limit in string.gmatch(spec, '(%d+):(%d+)') do
+      n = n + 1
+      call_windows[n], limits[n] = tonumber(w), tonumber(limit)
+    end
+    for i = #call_windows, n + 1, -1 do call_windows[i], limits[i] = nil, nil end
+  end
+end
+
 -- The common case first, in as little Lua as it takes (Redis bills a script by the time it
 -- runs): meta holds exactly this plan's windows, at most one event leaves each window, the
 -- charge fits without drawing credit and its id is not in the log; with entitlements on,
--- the user's copy is loaded, names no other plan and no suspension in force, and no event
--- that drew credit leaves a window. It computes what the general code below computes for
+-- the user's copy is loaded with no suspension in force (an override is applied as the
+-- general code applies it), and no event that drew credit leaves a window. It computes what the general code below computes for
 -- that case, with meta's numbers in one flat array instead of tables and closures.
 -- Anything else is seen before the first write, and the general code starts over.
 do
   local packed = redis.call('HGET', meta_key, FIELD)
-  local nw = #call_windows
-  if packed and #packed == 16 + 48 * nw then
-    local size = 2 + 6 * nw
-    local layout = '<' .. string.rep('d', size)
-    local v = {struct.unpack(layout, packed)}  -- then struct's position (v[size + 1])
-    local now = math.max(now_arg, v[1])
-    local fast, epoch = true, nil
-    if dr_key then
-      local e = redis.call('HMGET', ent_key, 'epoch', 'plan', 'susp')
-      local susp = tonumber(e[3])
-      epoch = tonumber(e[1])
-      fast = epoch ~= nil and (not e[2] or e[2] == plan_name)
-             and not (susp and (susp == 0 or now < susp))
-    end
+  local fast, epoch, now, nw, size, layout, v = packed ~= false, nil, nil, nil, nil, nil, nil
+  if fast then
+    size = #packed / 8
+    layout = '<' .. string.rep('d', size)
+    v = {struct.unpack(layout, packed)}  -- then struct's position (v[size + 1])
+    now = math.max(now_arg, v[1])
+  end
+  if fast and dr_key then
+    local e = redis.call('HMGET', ent_key, 'epoch', 'plan', 'susp')
+    local susp = tonumber(e[3])
+    epoch = tonumber(e[1])
+    fast = epoch ~= nil and not (susp and (susp == 0 or now < susp))
+    if fast and e[2] and e[2] ~= plan_name then use_override(e[2]) end
+  end
+  nw = #call_windows
+  if fast and size == 2 + 6 * nw then
     for i = 1, nw do
       if not fast then break end
       local k = 6 * i - 3  -- v[k..k+5]: W t lo f d n of window i
@@ -324,20 +347,8 @@ if ent then
     end
   end
   if ent.plan and ent.plan ~= plan_name then
-    -- the override's entry ";<name>=<plan>" of the catalog (names hold no ';' or '=')
-    local catalog = string.match(entitled_arg, '^%S* %d+ %d+ (.*)$') or ''
-    local at = string.find(catalog, ';' .. ent.plan .. '=', 1, true)
-    if at then
-      plan_name = ent.plan
-      local spec = string.match(catalog, '^[^;]*', at + #ent.plan + 2)
-      local n = 0
-      for w, limit in string.gmatch(spec, '(%d+):(%d+)') do
-        n = n + 1
-        call_windows[n], limits[n] = tonumber(w), tonumber(limit)
-      end
-      for i = nw, n + 1, -1 do call_windows[i], limits[i] = nil, nil end
-      nw = n
-    end
+    use_override(ent.plan)
+    nw = #call_windows
   end
   for i = 1, nw do
     if cost > limits[i] and not resent then

@@ -68,3 +68,16 @@ local function purge(lo)
     redis.call('ZREM', log_key, unpack(ids))
   until #ids < 500
 end
+
+-- Every key of the user lives `ttl` ms from now; ent only gains (a load's expiry may be
+-- longer). Called when a reservation finds the expiry due.
+local function renew_expiry(ttl)
+  ttl = string.format('%d', ttl)
+  redis.call('PEXPIRE', log_key, ttl)
+  redis.call('PEXPIRE', ev_key, ttl)
+  redis.call('PEXPIRE', meta_key, ttl)
+  if dr_key then
+    redis.call('PEXPIRE', ent_key, ttl, 'GT')  -- never shortens a load's expiry
+    redis.call('PEXPIRE', dr_key, ttl)
+  end
+end

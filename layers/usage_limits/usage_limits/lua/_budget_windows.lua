@@ -190,16 +190,7 @@ local function save_meta(m, now, longest, all)
   end
   if m.fresh then redis.call('DEL', meta_key) end  -- the fields of an older layout, if any
   redis.call('HSET', meta_key, FIELD, encode_meta(m))
-  if due then
-    local ttl = int(longest + margin_ms + math.min(longest, 3600000))
-    redis.call('PEXPIRE', log_key, ttl)
-    redis.call('PEXPIRE', ev_key, ttl)
-    redis.call('PEXPIRE', meta_key, ttl)
-    if dr_key then
-      redis.call('PEXPIRE', ent_key, ttl, 'GT')  -- never shortens a load's expiry
-      redis.call('PEXPIRE', dr_key, ttl)
-    end
-  end
+  if due then renew_expiry(longest + margin_ms + math.min(longest, 3600000)) end
 end
 
 -- When the oldest event window w counts leaves it (-1 when it counts none: nothing to wait

@@ -208,16 +208,7 @@ do
         end
         v[1] = now
         redis.call('HSET', meta_key, FIELD, struct.pack(layout, unpack(v, 1, size)))
-        if due then
-          local ttl = string.format('%d', longest + margin_ms + math.min(longest, 3600000))
-          redis.call('PEXPIRE', log_key, ttl)
-          redis.call('PEXPIRE', ev_key, ttl)
-          redis.call('PEXPIRE', meta_key, ttl)
-          if dr_key then
-            redis.call('PEXPIRE', ent_key, ttl, 'GT')  -- never shortens a load's expiry
-            redis.call('PEXPIRE', dr_key, ttl)
-          end
-        end
+        if due then renew_expiry(longest + margin_ms + math.min(longest, 3600000)) end
         if crossed then
           for i = 1, #crossed do out[#out + 1] = crossed[i] end
         end

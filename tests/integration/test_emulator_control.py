@@ -200,8 +200,9 @@ def test_latency_and_spike(emu: EmulatorProcess, http: httpx.Client) -> None:
 def test_in_flight_counts_concurrent_requests(emu: EmulatorProcess, http: httpx.Client) -> None:
     """Concurrent slow requests raise max_in_flight; in_flight returns to zero."""
     async def three() -> list[int]:
+        # 2 s each: the three overlap even when a loaded machine starts them far apart
         async with httpx.AsyncClient(base_url=emu.url, timeout=10.0, trust_env=False) as c:
-            rs = await asyncio.gather(*[c.get("/pages/slow", params={"ms": 400})
+            rs = await asyncio.gather(*[c.get("/pages/slow", params={"ms": 2000})
                                         for _ in range(3)])
         return [r.status_code for r in rs]
 

@@ -24,8 +24,10 @@ local FIELD = 'm'
 
 -- meta as {clk = ms, dead = n, ws = {W, ...} (ascending), windows = {[W] = {total = tokens,
 -- lo = ms, first = ms or NONE or nil (unknown), drawn = tokens, level = percent}}}.
-local function load_meta()
-  local packed = redis.call('HGET', meta_key, FIELD)
+-- `packed` is the field when the caller has read it already (false: there is none); nil
+-- reads it here.
+local function load_meta(packed)
+  if packed == nil then packed = redis.call('HGET', meta_key, FIELD) end
   if not packed then
     return {clk = 0, dead = 0, windows = {}, ws = {}, fresh = true}
   end

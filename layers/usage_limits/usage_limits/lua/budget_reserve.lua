@@ -129,8 +129,8 @@ end
 -- general code applies it), and no event that drew credit leaves a window. It computes what the general code below computes for
 -- that case, with meta's numbers in one flat array instead of tables and closures.
 -- Anything else is seen before the first write, and the general code starts over.
+local packed = redis.call('HGET', meta_key, FIELD)  -- meta's record (the general code too)
 do
-  local packed = redis.call('HGET', meta_key, FIELD)
   local fast, epoch, now, nw, size, layout, v = packed ~= false, nil, nil, nil, nil, nil, nil
   if fast then
     size = #packed / 8
@@ -326,7 +326,7 @@ if dr_key then
   draw_epoch = ent.epoch or 0
 end
 
-local m = load_meta()
+local m = load_meta(packed)
 local now = math.max(now_arg, m.clk)
 
 if ent then

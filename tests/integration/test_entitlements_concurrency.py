@@ -19,8 +19,11 @@ from usage_limits.entitlements.store import EntitlementStore
 PROCESSES = 8
 ATTEMPTS = 12
 GRANT = 30
-#: (limit, seconds): a quota of 1 token, so nearly every charge draws from the grant
-PLAN = [(1000, 3600.0), (1, 30 * 86400.0)]
+COST = 2
+#: (limit, seconds): a quota of 2 tokens (one charge), so nearly every charge draws from the grant
+PLAN = [(1000, 3600.0), (2, 30 * 86400.0)]
+#: two names of the same windows, so that operator changes move the user between them
+PLANS = ("tiny", "tiny2")
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +49,13 @@ def _store(url: str, table: str) -> EntitlementStore:
 
 async def _draw(target: tuple[str, list[tuple[str, int]]], url: str, table: str, user: str,
                 worker: int, start: Any) -> dict[str, int]:
-    """Reserve 1 token ATTEMPTS times through the durable path; refund every third charge.
+    """Reserve COST tokens ATTEMPTS times through the durable path, as the guard does: a
+    draw recorded before the provider call (503 when it cannot be), then every fourth
+    request fails (refund), every fourth is settled to 1 token, the rest keep their cost.
 
     Returns:
-        What this worker saw: tokens drawn and recorded, charges made, charges refused,
-        draws that could not be recorded.
+        What this worker saw: credit spent by served requests (drawn less what came back),
+        charges made, refused, and answered 503 because the draw could not be recorded.
     """
     import redis.asyncio as aioredis
     from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -63,34 +68,70 @@ async def _draw(target: tuple[str, list[tuple[str, int]]], url: str, table: str,
                                 socket_timeout=5.0) if kind == "cluster"
                    else aioredis.Redis(host=nodes[0][0], port=nodes[0][1], socket_timeout=5.0))
     windows = [Window(limit, seconds) for limit, seconds in PLAN]
-    budget = TokenBudget(client, windows, catalog={"tiny": windows}, entitlements=True)
+    budget = TokenBudget(client, windows, catalog=dict.fromkeys(PLANS, windows),
+                         entitlements=True)
     store = _store(url, table)
     cache = EntitlementCache(store)
-    seen = {"drawn": 0, "rejected": 0, "unrecorded": 0, "charged": 0}
+    seen = {"spent": 0, "rejected": 0, "unrecorded": 0, "charged": 0}
     try:
         await client.ping()
         start.wait()
         for i in range(ATTEMPTS):
             rid, nonce = f"w{worker}-{i}", uuid.uuid4().hex
-            r = await cache.reserve(budget, user, rid, 1, nonce=nonce, plan_name="tiny")
+            r = await cache.reserve(budget, user, rid, COST, nonce=nonce, plan_name="tiny")
             if r.status != "charged":
                 seen["rejected"] += 1
                 continue
             seen["charged"] += 1
-            recorded = r.drawn == 0 or await cache.commit_draw(user, rid, nonce, r)
-            if not recorded:  # what the guard does: refund, answer 503
+            state = "none" if r.drawn == 0 else await cache.commit_draw(budget, user, rid,
+                                                                        nonce, r)
+            if state not in ("none", "recorded"):  # what the guard does: refund, answer 503
                 seen["unrecorded"] += 1
-                lowered = await budget.lower(user, rid, 0, nonce=nonce)
-                await cache.give_back(budget, user, rid, nonce, 0, lowered, recorded=False)
+                await cache.lower(budget, user, rid, nonce, 0, state=state)
                 continue
-            seen["drawn"] += r.drawn
-            if i % 3 == 2:
-                lowered = await budget.lower(user, rid, 0, nonce=nonce)
-                await cache.give_back(budget, user, rid, nonce, 0, lowered,
-                                      recorded=r.drawn > 0)
+            back = 0
+            if i % 4 in (1, 2):  # a failed request's refund, or a settle to 1 token
+                done = await cache.lower(budget, user, rid, nonce, 0 if i % 4 == 1 else 1,
+                                         state=state)
+                assert done.settled
+                back = sum(n for _, n in done.returned)
+            seen["spent"] += r.drawn - back
     finally:
         await client.aclose()
     return seen
+
+
+async def _operator_changes(target: tuple[str, list[tuple[str, int]]], store: EntitlementStore,
+                            user: str, done: Any) -> int:
+    """Move the user between two plans of the same windows and flush the cache once, until
+    the workers are done: every change reloads the user's copy mid-run."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    from usage_limits.budget import TokenBudget, Window
+    from usage_limits.entitlements.cache import EntitlementCache
+
+    kind, nodes = target
+    client: Any = (RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes])
+                   if kind == "cluster" else aioredis.Redis(host=nodes[0][0], port=nodes[0][1]))
+    windows = [Window(limit, seconds) for limit, seconds in PLAN]
+    budget = TokenBudget(client, windows, catalog=dict.fromkeys(PLANS, windows),
+                         entitlements=True)
+    cache = EntitlementCache(store)
+    changes = 0
+    try:
+        while not done.ready():
+            await asyncio.sleep(0.05)
+            plan = PLANS[changes % 2]
+            await asyncio.to_thread(store.set_override, user, plan, actor="test",
+                                    reason="mid-run")
+            await cache.refresh(budget, user)
+            changes += 1
+            if changes == 3:
+                await client.flushall()
+    finally:
+        await client.aclose()
+    return changes
 
 
 def _worker(args: tuple[Any, ...]) -> dict[str, int]:
@@ -106,12 +147,12 @@ def target(request: pytest.FixtureRequest) -> tuple[str, list[tuple[str, int]]]:
     return "standalone", [("127.0.0.1", server.port)]
 
 
-def test_eight_processes_never_overdraw_one_grant(
+def test_eight_processes_keep_credit_exact_through_changes_and_a_flush(
         target: tuple[str, list[tuple[str, int]]], dynamo: DynamoServer) -> None:
-    """8 processes charging one user with a 30-token grant (refunding every third charge):
-    DynamoDB records exactly the draws the workers saw recorded, its consumption equals
-    those draws minus the credit given back, never exceeds the grant, and the cache's
-    remaining credit agrees with it."""
+    """8 processes charging one user with a 30-token grant (refunds and settles mixed in)
+    while operator changes reload the copy and one FLUSHALL drops it: DynamoDB's consumed
+    equals the credit the served requests spent, exactly, equals its charge records, never
+    exceeds the grant, and the user's copy shows the same."""
     user = "conc-" + uuid.uuid4().hex[:8]
     store = _store(dynamo.url, dynamo.table)
     store.create_grant(user, tokens=GRANT, kind="paid", reference="small",
@@ -120,22 +161,22 @@ def test_eight_processes_never_overdraw_one_grant(
     with ctx.Manager() as manager:
         start = manager.Barrier(PROCESSES)
         with ctx.Pool(PROCESSES) as pool:
-            results = pool.map(_worker, [(target, dynamo.url, dynamo.table, user, w, start)
-                                         for w in range(PROCESSES)])
-    records = store.credit_records(user)
-
-    def total(op: str) -> int:
-        return sum(int(pair.rpartition("=")[2]) for r in records if r["op"] == op
-                   for pair in r["draws"].split())
-
-    assert total("draw") == sum(r["drawn"] for r in results)
+            pending = pool.map_async(_worker, [(target, dynamo.url, dynamo.table, user, w,
+                                                start) for w in range(PROCESSES)])
+            changes = asyncio.run(_operator_changes(target, store, user, pending))
+            results = pending.get()
     [grant] = store.load(user).grants
-    assert grant.consumed == total("draw") - total("return")
-    assert total("return") > 0
+    spent = sum(r["spent"] for r in results)
+    held = sum(n for record in store.charge_records(user)
+               for n in record.consumed.values())
+    assert grant.consumed == spent == held
     assert 0 <= grant.consumed <= GRANT
+    assert changes >= 3  # the flush and the changes landed while requests ran
     charged = sum(r["charged"] - r["unrecorded"] for r in results)
-    assert charged >= GRANT  # the grant was drawn to the end: the run is not vacuous
+    assert charged * COST >= GRANT  # the grant was drawn to the end: the run is not vacuous
     assert sum(r["rejected"] for r in results) > 0
+    print(f"operator changes {changes}, charges {sum(r['charged'] for r in results)}, "
+          f"503 for an unrecorded draw {sum(r['unrecorded'] for r in results)}")
 
     async def cached() -> int:
         import redis.asyncio as aioredis
@@ -149,7 +190,8 @@ def test_eight_processes_never_overdraw_one_grant(
                        if kind == "cluster" else aioredis.Redis(host=nodes[0][0],
                                                                 port=nodes[0][1]))
         windows = [Window(limit, seconds) for limit, seconds in PLAN]
-        budget = TokenBudget(client, windows, catalog={"tiny": windows}, entitlements=True)
+        budget = TokenBudget(client, windows, catalog=dict.fromkeys(PLANS, windows),
+                             entitlements=True)
         try:
             report = await EntitlementCache(store).usage(budget, user, plan_name="tiny")
             return sum(g.remaining for g in report.grants)

@@ -33,22 +33,53 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[EntitlementStore]:
         yield table
 
 
-async def test_unfinished_claim_does_not_refund_a_newer_charge_of_the_id(
+async def test_a_repeated_refund_never_refunds_a_newer_charge_of_the_id(
         standalone_client: aioredis.Redis, store: EntitlementStore) -> None:
-    """An attempt that claimed and refunded charge A, then died, is completed by the next
-    call without refunding charge B that a retry made later under the same id."""
+    """A support refund that removed charge A and died before answering is repeated after a
+    retry charged B under the same id: the repeat answers the first refund and leaves B."""
     user, rid = uuid.uuid4().hex, "k:" + uuid.uuid4().hex
     budget = TokenBudget(standalone_client, windows=[Window(limit=100, seconds=3600)])
     first = new_nonce()
     assert (await budget.reserve(user, rid, cost=5, nonce=first)).allowed
-    # the first support attempt: claimed, refunded in the ledger, never finished
-    store.claim_support_refund(user, rid, claimed=5, actor="jane", reason="wrong answer",
-                               nonce=first)
+    # the first support attempt: recorded with its audit entry, the ledger lowered, no answer
+    store.refund_charge(user, rid, first, tokens=5, actor="jane", reason="wrong answer")
     assert await budget.refund(user, rid, nonce=first)
     # the client's retry under the same id is charged again, with its own nonce
     again = await budget.reserve(user, rid, cost=7)
     assert again.allowed and not again.duplicate
     operator = Operator(store, Plans.single(PLAN), budget)
-    done, _ = await operator.refund(user, rid, actor="jane", reason="wrong answer")
-    assert done.tokens == 5
+    done, created = await operator.refund(user, rid, actor="jane", reason="wrong answer")
+    assert (done.tokens, created) == (5, False)
     assert (await budget.usage(user)).windows[0].used == 7
+    assert [e.action for e in store.audit(user)] == ["refund"]
+
+
+async def test_a_refund_whose_ledger_part_failed_is_finished_by_a_repeat(
+        standalone_client: aioredis.Redis, store: EntitlementStore) -> None:
+    """When Redis fails after the refund was recorded, the answer says the refund is
+    recorded (NotRefreshed, 503); the repeat gives the windows their tokens back once."""
+    from redis.asyncio import Redis
+
+    from usage_limits.entitlements import NotRefreshed
+
+    user, rid = uuid.uuid4().hex, "r:" + uuid.uuid4().hex
+    budget = TokenBudget(standalone_client, windows=[Window(limit=100, seconds=3600)])
+    assert (await budget.reserve(user, rid, cost=5)).allowed
+    operator = Operator(store, Plans.single(PLAN), budget)
+    dead = TokenBudget(Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2),
+                       windows=[Window(limit=100, seconds=3600)])
+    operator.budget = dead
+    original = budget.charge
+
+    async def found(user_id: str, request_id: str):  # type: ignore[no-untyped-def]
+        return await original(user_id, request_id)
+
+    dead.charge = found  # type: ignore[method-assign]  # the lookup works, the lowering fails
+    with pytest.raises(NotRefreshed, match="recorded"):
+        await operator.refund(user, rid, actor="jane", reason="empty answer")
+    assert (await budget.usage(user)).windows[0].used == 5
+    operator.budget = budget
+    done, created = await operator.refund(user, rid, actor="jane", reason="empty answer")
+    assert (done.tokens, created) == (5, False)
+    assert (await budget.usage(user)).windows[0].used == 0
+    assert [e.action for e in store.audit(user)] == ["refund"]

@@ -133,27 +133,46 @@ def test_audit_is_newest_first_per_user_and_across_users(store: EntitlementStore
     assert store.audit("x")[0].details == {"plan": "free"}
 
 
-def test_support_refund_claim_finish_and_second_claim(store: EntitlementStore) -> None:
-    """A refund claim is made once; once finished, a second claim returns the record."""
-    claim, created = store.claim_support_refund("u6", "r:abc", claimed=8, actor="op",
-                                                reason="bad answer")
-    assert created and claim.tokens is None and claim.claimed == 8
-    unfinished, created = store.claim_support_refund("u6", "r:abc", claimed=8, actor="op",
-                                                     reason="again")
-    assert not created and unfinished.tokens is None
-    done = store.finish_support_refund(claim, "u6", 8)
-    assert done.tokens == 8
-    again, created = store.claim_support_refund("u6", "r:abc", claimed=8, actor="op",
-                                                reason="again")
+def test_support_refund_is_made_once_with_its_audit_entry(store: EntitlementStore) -> None:
+    """A support refund of a charge that drew nothing is recorded once with one audit
+    entry; asking again returns the first refund."""
+    done, created = store.refund_charge("u6", "r:abc", "n1", tokens=8, actor="op",
+                                        reason="bad answer")
+    assert created and (done.tokens, done.credit) == (8, ())
+    again, created = store.refund_charge("u6", "r:abc", "n1", tokens=8, actor="op",
+                                         reason="again")
     assert not created and again.tokens == 8
     assert [(e.action, e.details["tokens"]) for e in store.audit("u6")] == [("refund", 8)]
 
 
-def test_dropped_claim_can_be_made_again(store: EntitlementStore) -> None:
-    """A claim whose charge was not found is dropped and leaves no audit entry."""
-    claim, _ = store.claim_support_refund("u7", "r:zz", claimed=1, actor="op", reason="r")
-    store.drop_support_refund(claim, "u7")
-    assert store.support_refund("u7", "r:zz") is None and store.audit("u7") == []
+def test_support_refund_returns_a_charges_credit_with_its_audit(store: EntitlementStore) -> None:
+    """A support refund gives back exactly what the charge drew, to its grants, in the
+    same transaction as its record and audit entry; the charge record shows it returned."""
+    _grant(store, "u9", "a", 10)
+    epoch = store.bump_epoch("u9")
+    assert store.commit_draw("u9", "r:1", "n1", [("a", 6)], epoch, cost=8) == "recorded"
+    done, created = store.refund_charge("u9", "r:1", "n1", tokens=0, actor="op", reason="r")
+    assert created and done.credit == (("a", 6),)
+    assert store.load("u9").grants[0].consumed == 0
+    [record] = store.charge_records("u9")
+    assert (record.kept, record.state, record.returned) == (0, "returned", (("a", 6),))
+    entry = store.audit("u9")[0]
+    assert entry.action == "refund" and entry.details["credit"] == [{"reference": "a", "tokens": 6}]
+    with pytest.raises(NotFound):
+        store.refund_charge("u9", "r:2", "n2", tokens=0, actor="op", reason="r")
+
+
+def test_a_support_refund_of_a_returned_charge_is_not_found(store: EntitlementStore) -> None:
+    """A charge whose credit the request path already returned, and that no window counts,
+    has nothing left to refund: NotFound, and nothing is written or audited."""
+    _grant(store, "u10", "a", 10)
+    epoch = store.bump_epoch("u10")
+    assert store.commit_draw("u10", "r:1", "n1", [("a", 4)], epoch, cost=4) == "recorded"
+    assert store.return_credit("u10", "r:1", "n1", 0).returned == (("a", 4),)
+    with pytest.raises(NotFound):
+        store.refund_charge("u10", "r:1", "n1", tokens=0, actor="op", reason="r")
+    assert [e.action for e in store.audit("u10")] == ["grant.create"]
+    assert store.support_refund("u10", "r:1") is None
 
 
 def test_a_missing_table_is_store_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,68 +209,125 @@ def test_each_load_epoch_is_new_and_load_ignores_it(store: EntitlementStore) -> 
     assert [g.reference for g in record.grants] == ["inv"] and record.override is None
 
 
+def consumption_is_its_records(store: EntitlementStore, user: str) -> None:
+    """For every grant: consumed = the sum of what its charge records still hold."""
+    held: dict[str, int] = {}
+    for record in store.charge_records(user):
+        for reference, tokens in record.consumed.items():
+            held[reference] = held.get(reference, 0) + tokens
+    for g in store.load(user).grants:
+        assert g.consumed == held.get(g.reference, 0), (g, held)
+
+
 def test_a_draw_commits_once_under_its_epoch(store: EntitlementStore) -> None:
     """A draw under the current epoch raises each grant's consumed once; the same charge
-    committed again (a retry) changes nothing."""
+    committed again (a retry after a lost answer) changes nothing and says recorded."""
     _grant(store, "d1", "a", 10)
     _grant(store, "d1", "b", 10)
     epoch = store.bump_epoch("d1")
     draws = [("a", 4), ("b", 2)]
-    assert store.commit_draw("d1", "r:1", "n1", draws, epoch)
-    assert store.commit_draw("d1", "r:1", "n1", draws, epoch)
+    assert store.commit_draw("d1", "r:1", "n1", draws, epoch, cost=8) == "recorded"
+    assert store.commit_draw("d1", "r:1", "n1", draws, epoch, cost=8) == "recorded"
+    store.bump_epoch("d1")  # an answer lost, then an operator change, then the retry
+    assert store.commit_draw("d1", "r:1", "n1", draws, epoch, cost=8) == "recorded"
     assert {g.reference: g.consumed for g in store.load("d1").grants} == {"a": 4, "b": 2}
-    assert store.draw_recorded("d1", "r:1", "n1")
-    assert not store.draw_recorded("d1", "r:1", "other")
-    [record] = store.credit_records("d1")
-    assert (record["op"], record["draws"], record["epoch"]) == ("draw", "a=4 b=2", epoch)
+    assert store.charge_record("d1", "r:1", "other") is None
+    [record] = store.charge_records("d1")
+    assert (record.draws, record.epoch, record.cost, record.kept) == (tuple(draws), epoch, 8, 8)
+    consumption_is_its_records(store, "d1")
 
 
-def test_only_draw_records_carry_the_time_to_live(store: EntitlementStore) -> None:
-    """A draw record expires about DRAW_RECORD_DAYS after it was written (DynamoDB's time to
-    live); the grant it drew from, and every other item, carries no expiry."""
+def test_only_charge_records_carry_the_time_to_live(store: EntitlementStore) -> None:
+    """A charge record expires about DRAW_RECORD_DAYS after it was written (DynamoDB's time
+    to live); the grant it drew from, and every other item, carries no expiry."""
     import time
 
     from usage_limits.entitlements.store import DRAW_RECORD_DAYS, TTL_ATTRIBUTE
 
     _grant(store, "d4", "a", 10)
     epoch = store.bump_epoch("d4")
-    assert store.commit_draw("d4", "r:1", "n1", [("a", 3)], epoch)
-    [record] = store.credit_records("d4")
-    expected = time.time() + DRAW_RECORD_DAYS * 86400
-    assert abs(int(record[TTL_ATTRIBUTE]) - expected) < 60
+    assert store.commit_draw("d4", "r:1", "n1", [("a", 3)], epoch, cost=3) == "recorded"
     items = store.client.scan(TableName=store.table)["Items"]
-    carrying = {item["sk"]["S"].split("#")[0] for item in items if TTL_ATTRIBUTE in item}
-    assert carrying == {"D"}, carrying
+    carrying = {item["sk"]["S"].split("#")[0]: int(item[TTL_ATTRIBUTE]["N"])
+                for item in items if TTL_ATTRIBUTE in item}
+    assert set(carrying) == {"C"}, carrying
+    assert abs(carrying["C"] - (time.time() + DRAW_RECORD_DAYS * 86400)) < 60
 
 
 def test_a_draw_under_a_replaced_epoch_never_commits(store: EntitlementStore) -> None:
     """Once a load (or an operator change) took a new epoch, a draw made under the old one
-    is refused and writes nothing: no record, no consumption."""
+    is refused as stale and writes nothing: no record, no consumption."""
     _grant(store, "d2", "a", 10)
     old = store.bump_epoch("d2")
     store.bump_epoch("d2")
-    assert not store.commit_draw("d2", "r:1", "n1", [("a", 5)], old)
+    assert store.commit_draw("d2", "r:1", "n1", [("a", 5)], old, cost=5) == "stale"
     assert store.load("d2").grants[0].consumed == 0
-    assert store.credit_records("d2") == []
+    assert store.charge_records("d2") == []
 
 
-def test_credit_given_back_is_recorded_once_per_lowering(store: EntitlementStore) -> None:
+def test_credit_comes_back_once_per_lowering_whatever_the_epoch(store: EntitlementStore) -> None:
     """A settle to 3 then a refund to 0 each give their credit back once, however often
-    each is repeated; a return under a replaced epoch writes nothing."""
+    each is repeated and however many loads came between: a return is conditioned on the
+    charge's record, never on the epoch."""
     _grant(store, "d3", "a", 10)
     epoch = store.bump_epoch("d3")
-    assert store.commit_draw("d3", "k:x", "n1", [("a", 8)], epoch)
-    for _ in range(2):
-        assert store.commit_return("d3", "k:x", "n1", 3, [("a", 5)], epoch)
+    assert store.commit_draw("d3", "k:x", "n1", [("a", 8)], epoch, cost=8) == "recorded"
+    store.bump_epoch("d3")
+    first = store.return_credit("d3", "k:x", "n1", 3)
+    assert first.changed and first.returned == (("a", 5),)
+    again = store.return_credit("d3", "k:x", "n1", 3)
+    assert not again.changed and again.returned == ()
     assert store.load("d3").grants[0].consumed == 3
-    for _ in range(2):
-        assert store.commit_return("d3", "k:x", "n1", 0, [("a", 3)], epoch)
+    store.bump_epoch("d3")
+    assert store.return_credit("d3", "k:x", "n1", 0).returned == (("a", 3),)
+    assert not store.return_credit("d3", "k:x", "n1", 0).changed
     assert store.load("d3").grants[0].consumed == 0
-    newer = store.bump_epoch("d3")
-    assert store.commit_draw("d3", "k:y", "n2", [("a", 2)], newer)
-    assert not store.commit_return("d3", "k:y", "n2", 0, [("a", 2)], epoch)
-    assert store.load("d3").grants[0].consumed == 2
-    assert [r["op"] for r in store.credit_records("d3")].count("return") == 2
+    consumption_is_its_records(store, "d3")
+
+
+def test_a_lowering_takes_the_last_draw_back_first(store: EntitlementStore) -> None:
+    """A charge of 10 that drew 3 then 4 (quota 3), settled to 6, gives 4 back to the grant
+    drawn last; refunded, 3 more to the first."""
+    _grant(store, "d6", "a", 10)
+    _grant(store, "d6", "b", 10)
+    epoch = store.bump_epoch("d6")
+    assert store.commit_draw("d6", "r:1", "n1", [("a", 3), ("b", 4)], epoch,
+                             cost=10) == "recorded"
+    assert store.return_credit("d6", "r:1", "n1", 6).returned == (("b", 4),)
+    assert store.return_credit("d6", "r:1", "n1", 4).returned == (("a", 2),)
+    assert store.return_credit("d6", "r:1", "n1", 0).returned == (("a", 1),)
+    assert {g.reference: g.consumed for g in store.load("d6").grants} == {"a": 0, "b": 0}
+    consumption_is_its_records(store, "d6")
+
+
+def test_credit_of_a_voided_or_expired_grant_is_forfeited(store: EntitlementStore) -> None:
+    """A return to a grant voided (or expired) since the draw gives that part nothing back:
+    it is forfeited on the record, stays consumed, and the other grant gets its part."""
+    _grant(store, "d7", "a", 10)
+    store.create_grant("d7", tokens=10, kind="promo", reference="soon", actor="op",
+                       expires_at_ms=now_ms() + 60_000, reason="r")
+    epoch = store.bump_epoch("d7")
+    assert store.commit_draw("d7", "r:1", "n1", [("soon", 2), ("a", 3)], epoch,
+                             cost=5) == "recorded"
+    store.void_grant("d7", "a", actor="op", reason="charge-back")
+    done = store.return_credit("d7", "r:1", "n1", 0, now_ms=now_ms() + 120_000)
+    assert (done.returned, done.forfeited) == ((), (("a", 3), ("soon", 2)))
+    assert {g.reference: g.consumed for g in store.load("d7").grants} == {"a": 3, "soon": 2}
+    consumption_is_its_records(store, "d7")
+
+
+def test_a_lowering_with_no_draw_writes_a_tombstone_the_draw_cannot_pass(
+        store: EntitlementStore) -> None:
+    """Lowering a charge whose draw is not recorded (its answer was lost) writes it off:
+    the draw, arriving late, is refused as void and consumes nothing."""
+    _grant(store, "d8", "a", 10)
+    epoch = store.bump_epoch("d8")
+    done = store.return_credit("d8", "r:1", "n1", 0)
+    assert done.changed and not done.existed
+    assert store.commit_draw("d8", "r:1", "n1", [("a", 5)], epoch, cost=5) == "void"
+    assert store.load("d8").grants[0].consumed == 0
+    assert not store.return_credit("d8", "r:1", "n1", 0).changed
+    consumption_is_its_records(store, "d8")
 
 
 @pytest.mark.parametrize("pairs, match", [
@@ -265,10 +341,12 @@ def test_a_malformed_draw_writes_nothing(store: EntitlementStore, pairs: list[tu
     _grant(store, "d4", "a", 10)
     epoch = store.bump_epoch("d4")
     with pytest.raises(InvalidArgument, match=match):
-        store.commit_draw("d4", "r:1", "n1", pairs, epoch)
+        store.commit_draw("d4", "r:1", "n1", pairs, epoch, cost=5)
     with pytest.raises(InvalidArgument, match="nonce"):
-        store.commit_draw("d4", "r:1", "n#1", [("a", 1)], epoch)
-    assert store.credit_records("d4") == [] and store.load("d4").grants[0].consumed == 0
+        store.commit_draw("d4", "r:1", "n#1", [("a", 1)], epoch, cost=5)
+    with pytest.raises(InvalidArgument, match="cost"):
+        store.commit_draw("d4", "r:1", "n1", [("a", 3)], epoch, cost=2)
+    assert store.charge_records("d4") == [] and store.load("d4").grants[0].consumed == 0
 
 
 def test_a_draw_from_an_unknown_grant_is_store_unavailable(store: EntitlementStore) -> None:
@@ -276,5 +354,14 @@ def test_a_draw_from_an_unknown_grant_is_store_unavailable(store: EntitlementSto
     _grant(store, "d5", "a", 10)
     epoch = store.bump_epoch("d5")
     with pytest.raises(StoreUnavailable):
-        store.commit_draw("d5", "r:1", "n1", [("a", 1), ("ghost", 1)], epoch)
-    assert store.credit_records("d5") == [] and store.load("d5").grants[0].consumed == 0
+        store.commit_draw("d5", "r:1", "n1", [("a", 1), ("ghost", 1)], epoch, cost=2)
+    assert store.charge_records("d5") == [] and store.load("d5").grants[0].consumed == 0
+
+
+def test_credit_reports_are_kept_with_the_grant(store: EntitlementStore) -> None:
+    """A draw that crossed "low" and "exhausted" keeps both on the grant, once."""
+    _grant(store, "d9", "a", 5)
+    epoch = store.bump_epoch("d9")
+    assert store.commit_draw("d9", "r:1", "n1", [("a", 5)], epoch, cost=5,
+                             reported={"a": "lx"}) == "recorded"
+    assert store.load("d9").grants[0].reported == "lx"

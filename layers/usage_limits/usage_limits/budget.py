@@ -268,9 +268,11 @@ class LiveGrant:
         expires_at_ms: when it stops covering requests, ms since the epoch (None: never).
         kind: ``paid`` or ``promo`` (promo is drawn first at equal expiry).
         created_ms: when it was created, ms (older first at equal expiry and kind).
+        reported: the credit reports already made for it and not re-armed since, a subset
+            of ``lx`` (``l`` low, ``x`` exhausted): they are not made again.
 
     Raises:
-        InvalidArgument: a malformed reference, kind or amount.
+        InvalidArgument: a malformed reference, kind, amount or flags.
     """
 
     reference: str
@@ -279,6 +281,7 @@ class LiveGrant:
     expires_at_ms: int | None
     kind: GrantKind
     created_ms: int = 0
+    reported: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.reference, str) or not _REFERENCE.fullmatch(self.reference):
@@ -289,6 +292,9 @@ class LiveGrant:
             raise InvalidArgument(f"grant tokens must be an integer >= 1, not {self.tokens!r}")
         if not _is_int(self.remaining) or not 0 <= self.remaining <= self.tokens:
             raise InvalidArgument(f"grant remaining must be in 0..tokens, not {self.remaining!r}")
+        if not isinstance(self.reported, str) or set(self.reported) - set("lx"):
+            raise InvalidArgument(f"grant reported must be a subset of 'lx', not "
+                                  f"{self.reported!r}")
         for name, value in (("expires_at_ms", self.expires_at_ms),
                             ("created_ms", self.created_ms)):
             if value is not None and (not _is_int(value) or not 0 <= value < 2**52):
@@ -306,11 +312,15 @@ class Lowered:
             under an older load epoch, is not in it: it is gone.
         epoch: the entitlements epoch the credit went back under (0 when none went back or
             entitlements are off).
+        stale: credit was to go back, but the copy is not the one the charge drew from (a
+            load since), or a grant of it is gone or expired: the copy got none of it and
+            holds less than the record of truth; drop it (it reloads).
     """
 
     changed: bool
     returned: tuple[tuple[str, int], ...] = ()
     epoch: int = 0
+    stale: bool = False
 
 
 @dataclass(frozen=True)
@@ -422,6 +432,7 @@ class TokenBudget:
         self._default_args = _plan_args(self.windows)
         self._thresholds = () if thresholds is None or not thresholds.percents else (
             thresholds.script_arg,)
+        self._threshold_percents = tuple(thresholds.percents) if thresholds else ()
         self.entitlements = bool(entitlements)
         self.catalog: dict[str, tuple[Window, ...]] = {}
         for name, plan in (catalog or {}).items():
@@ -442,6 +453,12 @@ class TokenBudget:
         longest = max(w.ms for p in [self.windows, *self.catalog.values()] for w in p)
         #: how long ent outlives a load or invalidation by default, ms (as the other keys)
         self.ent_ttl_ms = longest + self.key_margin_ms + min(longest, 3_600_000)
+
+    @property
+    def credit_levels(self) -> tuple[int, int]:
+        """(low percent, re-arming margin in points) of the credit reports."""
+        low, margin = self._credit_args
+        return low, margin
 
     async def reserve(self, user_id: str, request_id: str, cost: int, *, route: str = "",
                       windows: Sequence[Window] | None = None, plan_name: str = "",
@@ -499,18 +516,22 @@ class TokenBudget:
         return self.catalog.get(name, caller)
 
     async def refund(self, user_id: str, request_id: str, *, nonce: str,
-                     now_ms: int | None = None) -> bool:
+                     now_ms: int | None = None, uncross: Sequence[Crossing] = ()) -> bool:
         """Give back the whole charge that the reservation with ``nonce`` made for ``request_id``.
 
         Each window that still counts the charge gets its tokens back; a window the charge
         has already left gives nothing back. A charge of the same id made by another call
-        (another nonce) is left alone.
+        (another nonce) is left alone. With entitlements on, the ledger's own draw record
+        says what credit goes back to the copy (``lower(credit="drawn")``): the request
+        path, whose draws the record of truth holds, lowers through
+        ``EntitlementCache.lower`` instead.
 
         Args:
             nonce: the ``Reservation.nonce`` (or the nonce passed to ``reserve``) of the call
                 that made the charge.
             now_ms: the caller's clock (entitlements on: a grant expired by then gets no
                 credit back); ``time.time()`` when None.
+            uncross: usage-threshold crossings of this charge never reported (``lower``).
 
         Returns:
             True when a charge was removed; False when there was none of this caller
@@ -521,7 +542,8 @@ class TokenBudget:
             InvalidArgument: a malformed user or request id or nonce.
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
-        return (await self.lower(user_id, request_id, 0, nonce=nonce, now_ms=now_ms)).changed
+        return (await self.lower(user_id, request_id, 0, nonce=nonce, now_ms=now_ms,
+                                 credit="drawn", uncross=uncross)).changed
 
     async def settle(self, user_id: str, request_id: str, actual_cost: int, *,
                      nonce: str, now_ms: int | None = None) -> bool:
@@ -543,27 +565,38 @@ class TokenBudget:
             InvalidArgument: a malformed argument.
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
-        lowered = await self.lower(user_id, request_id, actual_cost, nonce=nonce, now_ms=now_ms)
+        lowered = await self.lower(user_id, request_id, actual_cost, nonce=nonce, now_ms=now_ms,
+                                   credit="drawn")
         return lowered.changed
 
     async def lower(self, user_id: str, request_id: str, new_cost: int, *, nonce: str,
-                    now_ms: int | None = None) -> Lowered:
+                    now_ms: int | None = None,
+                    credit: Sequence[tuple[str, int]] | Literal["drawn"] = "drawn",
+                    uncross: Sequence[Crossing] = ()) -> Lowered:
         """Lower the charge that the reservation with ``nonce`` made to ``new_cost``.
 
-        What ``refund`` (``new_cost`` 0) and ``settle`` do, with the credit given back: the
-        drawn part of the charge goes first, ``min(lowered by, drawn)``, back to the grants
-        it came from in reverse draw order, except to a grant expired at ``now_ms``, voided
-        since, or loaded anew since the draw (that credit is gone). A re-sent call returns
-        nothing a second time.
+        What ``refund`` (``new_cost`` 0) and ``settle`` do. With entitlements on, the drawn
+        part of the charge is lowered first (``min(lowered by, drawn)``, in reverse draw
+        order, as ``entitlements.charges.split_return`` computes it), and ``credit`` goes
+        back to the copy's grants: what the record of truth gave back (or, for a draw it
+        never recorded, the draw itself). The copy gets it only when it is the one the
+        charge drew from and each grant is still in it and not expired at ``now_ms``;
+        else it gets none of it (``Lowered.stale``). A re-sent call changes nothing more.
 
         Args:
             new_cost: tokens really used (integer >= 0); 0 removes the charge.
             nonce: the nonce of the reservation that made the charge.
             now_ms: the caller's clock, ms since the epoch; ``time.time()`` when None.
+            credit: (grant reference, tokens) to give back to the copy (entitlements on);
+                ``"drawn"`` (the default, the ledger alone): the drawn part the lowering
+                takes off the charge, as the ledger's own draw record says.
+            uncross: the usage-threshold crossings this very charge made and that were never
+                reported (its draw could not be recorded): each window's level goes back to
+                what it was before, so the next charge that crosses reports it.
 
         Returns:
-            A ``Lowered``: ``changed`` as ``settle`` returns it, the credit ``returned``
-            and the entitlements ``epoch`` it went back under.
+            A ``Lowered``: ``changed`` as ``settle`` returns it, the credit ``returned`` to
+            the copy, the entitlements ``epoch`` and whether the copy was ``stale``.
 
         Raises:
             InvalidArgument: a malformed argument.
@@ -577,13 +610,77 @@ class TokenBudget:
             keys = _user_keys(user_id)
             if now_ms is not None:
                 _now_ms(now_ms)
+            if uncross:
+                args += [0, 0, 0, "", self._restore_arg(uncross)]
             return Lowered(int(await script("budget_refund")(self.redis, keys, args)) == 1)
+        if credit == "drawn":
+            credit_arg = "*"
+        else:
+            for reference, tokens in credit:
+                if not isinstance(reference, str) or not _REFERENCE.fullmatch(reference) \
+                        or not _is_int(tokens) or tokens <= 0:
+                    raise InvalidArgument(f"credit must be (reference, tokens > 0) pairs, "
+                                          f"not {(reference, tokens)!r}")
+            credit_arg = " ".join(f"{r}={n}" for r, n in credit)
         keys = _user_keys(user_id, entitlements=True)
-        args += [_now_ms(now_ms), *self._credit_args]
+        args += [_now_ms(now_ms), *self._credit_args, credit_arg, self._restore_arg(uncross)]
         reply = await script("budget_refund")(self.redis, keys, args)
         flat = reply[2]
         returned = tuple((_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat) - 1, 2))
-        return Lowered(int(reply[0]) == 1, returned, int(reply[1]) if returned else 0)
+        return Lowered(int(reply[0]) == 1, returned, int(reply[1]) if returned else 0,
+                       int(reply[3]) == 1)
+
+    def _restore_arg(self, crossings: Sequence[Crossing]) -> str:
+        """budget_refund.lua's ``uncross``: per window, the level before its lowest crossing
+        (the threshold below it, else 0)."""
+        lowest: dict[int, int] = {}
+        for c in crossings:
+            w = round(c.window_s * 1000)
+            lowest[w] = min(lowest.get(w, c.threshold), c.threshold)
+        below = {w: max((p for p in self._threshold_percents if p < t), default=0)
+                 for w, t in lowest.items()}
+        return " ".join(f"{w}={level}" for w, level in below.items())
+
+    async def charge(self, user_id: str, request_id: str) -> SpendEvent | None:
+        """One charge still counted by a window, by its request id (however old); None
+        when there is none.
+
+        Raises:
+            InvalidArgument: a malformed id.
+            LimiterUnavailable: Redis could not be reached or did not answer in time.
+        """
+        _check_request_id(request_id)
+        keys = _user_keys(user_id, *(("log", "ev", "meta", "dr") if self.entitlements
+                                     else _LEDGER_KEYS))
+        reply = await script("budget_charge")(self.redis, keys, [request_id])
+        if not reply:
+            return None
+        cost, nonce, route = (_text(reply[1]).split(" ", 2) + ["", ""])[:3]
+        return SpendEvent(request_id=request_id, cost=int(cost), route=route,
+                          at_ms=int(float(_text(reply[0]))), nonce=nonce,
+                          draws=_draws_record(reply[2]))
+
+    async def rebase_draw(self, user_id: str, request_id: str, *, nonce: str,
+                          now_ms: int | None = None,
+                          reported: Mapping[str, str] | None = None) -> tuple[int, int]:
+        """Take the charge's draws from the user's current copy, when a load replaced the
+        one it drew from (budget_draw_rebase.lua).
+
+        Returns:
+            (status, epoch): 1 moved (or already on the current copy), 0 not loaded, -1 no
+            such charge of this nonce, -2 the copy lacks the credit (nothing changed); the
+            copy's epoch.
+
+        Raises:
+            InvalidArgument: a malformed argument.
+            LimiterUnavailable: Redis could not be reached or did not answer in time.
+        """
+        _check_request_id(request_id)
+        keys = _user_keys(user_id, "ev", "ent", "dr")
+        flags = " ".join(f"{r}={f}" for r, f in (reported or {}).items() if f)
+        reply = await script("budget_draw_rebase")(
+            self.redis, keys, [request_id, _check_nonce(nonce), _now_ms(now_ms), flags])
+        return int(reply[0]), int(reply[1])
 
     async def usage(self, user_id: str, *, windows: Sequence[Window] | None = None,
                     plan_name: str = "", now_ms: int | None = None,
@@ -617,7 +714,7 @@ class TokenBudget:
 
     async def load_entitlements(self, user_id: str, *, epoch: int, plan: str | None,
                                 suspended_until_ms: int | None, grants: Sequence[LiveGrant],
-                                ttl_s: float | None = None) -> bool:
+                                ttl_s: float | None = None, marked: bool = False) -> bool:
         """Write the user's entitlements (ent) as loaded from the record of truth at ``epoch``.
 
         Writes only when ent holds no epoch and ``epoch`` is at least the one an
@@ -632,10 +729,14 @@ class TokenBudget:
             suspended_until_ms: end of a suspension, ms (0 = until lifted); None for none.
             grants: the live (not voided) grants, remaining = tokens - consumed.
             ttl_s: how long ent lives without calls, seconds; as the ledger's keys when None.
+            marked: the loader marked ent (``mark_entitlements``) before it took ``epoch``:
+                write only into an ent that still exists (one gone was lost with the cache
+                while the load ran, and any invalidation with it).
 
         Returns:
             True when ent now holds ``epoch``; False when it was refused as stale (ent
-            holds, or an invalidation wants, a newer epoch): load again.
+            holds, or an invalidation wants, a newer epoch; or, marked, ent is gone): load
+            again.
 
         Raises:
             InvalidArgument: a malformed argument (nothing is written).
@@ -654,11 +755,27 @@ class TokenBudget:
         if len({g.reference for g in grants}) != len(grants):
             raise InvalidArgument("two grants have the same reference")
         lines = "\n".join(f"{g.reference} {g.remaining} {g.expires_at_ms or 0} {g.kind} "
-                          f"{g.created_ms} {g.tokens}" for g in grants)
+                          f"{g.created_ms} {g.tokens}" + (f" {g.reported}" if g.reported else "")
+                          for g in grants)
         args = [epoch, self._ttl_ms(ttl_s), plan or "",
-                "" if suspended_until_ms is None else suspended_until_ms, lines]
+                "" if suspended_until_ms is None else suspended_until_ms, lines,
+                "1" if marked else ""]
         reply = await script("budget_ent_load")(self.redis, _user_keys(user_id, "ent"), args)
         return int(reply[0]) == 1
+
+    async def mark_entitlements(self, user_id: str, *, ttl_s: float | None = None) -> bool:
+        """Mark the user's ent before a load begins (budget_ent_mark.lua): a marked load
+        is refused when the cache lost ent meanwhile.
+
+        Returns:
+            True when the mark was made now; False when ent existed (a copy, a marker).
+
+        Raises:
+            LimiterUnavailable: Redis could not be reached or did not answer in time.
+        """
+        reply = await script("budget_ent_mark")(self.redis, _user_keys(user_id, "ent"),
+                                                [self._ttl_ms(ttl_s)])
+        return int(reply) == 1
 
     async def invalidate_entitlements(self, user_id: str, *, epoch: int,
                                       ttl_s: float | None = None) -> None:

@@ -1,24 +1,29 @@
-"""The cache's copy of a user's entitlements, kept in step with the durable store.
+"""The cache's copy of a user's entitlements, derived from the durable store.
 
 Redis holds what the reservation script needs about a user (the plan override, the
 suspension, the live grants and what is left of them) in the user's own hash tag; DynamoDB
-(``EntitlementStore``) is the record of truth. This module is the only place that moves
-entitlements between the two:
+(``EntitlementStore``) is the record of truth, and every movement of credit is a record
+there (``charges``). This module is the only place that moves entitlements between the two:
 
 - **Load.** A reservation or usage read that finds no copy (``not_loaded``: never loaded,
-  expired, invalidated, or the cache lost its data) takes a new load epoch in DynamoDB
-  (``ADD epoch 1``), reads the user's ``E#`` items in one consistent Query and writes the
-  copy under that epoch. The ledger refuses a copy older than the newest invalidation
-  (an operator change that raced the load): the caller then loads again, a bounded number
-  of times (``MAX_LOADS``).
+  expired, invalidated, or the cache lost its data) marks the user's copy, takes a new load
+  epoch in DynamoDB (``ADD epoch 1``), reads the user's ``E#`` items in one consistent Query
+  and writes the copy under that epoch. The ledger refuses a copy older than the newest
+  invalidation (an operator change that raced the load), and a copy whose mark is gone
+  (the cache lost its data while the load ran, and any invalidation with it): the caller
+  then loads again, a bounded number of times (``MAX_LOADS``).
 - **Draws.** A charge that drew credit is recorded in DynamoDB before its provider is
-  called (``commit_draw``), conditional on the epoch the reservation saw: a draw made before
-  a reload (which could not see it) never commits. When the record cannot be written the
-  charge is refunded in Redis and the request answered 503.
-- **Credit given back.** A refund or settle that gave credit back to its grants in Redis
-  is recorded the same way (``give_back``). When that fails, or the draw itself was never
-  recorded, the copy is invalidated, so the next request reloads what DynamoDB holds: the
-  cache never holds more credit than the record of truth.
+  called (``commit_draw``), conditional on the epoch the reservation saw. When a load took
+  a new epoch in between (it could not see the draw), the draw is taken from the new copy
+  too (``rebase_draw``) and recorded under that epoch: an operator change costs in-flight
+  requests a retry, not an error. An answer lost on the way is resolved by reading the
+  record, or by writing the charge off (a tombstone) so that it can never land later.
+- **Credit given back** (``lower``). A refund or settle of a charge whose draw is (or may
+  be) recorded returns the credit in DynamoDB first, conditioned on the charge's record,
+  never on the epoch; then the ledger lowers the charge and gives the copy exactly what
+  DynamoDB returned. When the copy cannot take it (it is not the one the charge drew from,
+  or Redis and DynamoDB disagree on what happened), the copy is dropped and reloads. So the
+  copy never holds more credit than DynamoDB, and what DynamoDB returned is never lost.
 - **Operator changes** commit in DynamoDB, then take a new epoch and invalidate the copy
   (``refresh``): the user's next request loads the change.
 
@@ -30,23 +35,49 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
+from ..exceptions import LimiterUnavailable
 from .exceptions import StoreUnavailable
-from .models import UserEntitlements
+from .models import Grant, UserEntitlements
 
 if TYPE_CHECKING:
-    from ..budget import LiveGrant, Lowered, Reservation, TokenBudget, Usage
-    from .store import EntitlementStore
+    from ..budget import Crossing, LiveGrant, Lowered, Reservation, TokenBudget, Usage
+    from .store import CreditReturn, EntitlementStore
 
 log = logging.getLogger("usage_limits.entitlements")
 
 #: Loads of one user's copy a single request may make before it gives up (503): one
 #: normally; more only while operator changes keep invalidating the copy it loads.
 MAX_LOADS = 3
+#: Times one draw is moved onto a newer copy before the request gives up (503): each
+#: needs a load or an operator change to land between the draw and its record.
+MAX_REBASES = 4
+
+#: Where a charge's credit stands in the record of truth.
+#:   none      it drew nothing
+#:   recorded  its draw is recorded: lowering it returns credit there first
+#:   unknown   its draw may be recorded (an answer was lost): lowering settles it there
+#:   undone    no draw of it is, or ever will be, recorded: the copy gets its draw back
+#:   drawn     the reservation's answer was lost: whatever it drew is on the ledger's own
+#:             draw record only (never recorded, since no record was attempted)
+CreditState = Literal["none", "recorded", "unknown", "undone", "drawn"]
 
 
-def live_grants(record: UserEntitlements, now_ms: int) -> list[LiveGrant]:
+def reported_flags(grant: Grant, low_percent: int, margin: int) -> str:
+    """The credit reports a loaded copy keeps for ``grant``: those the record of truth says
+    were made, unless the grant's remaining has since come back above the re-arming level
+    (``low + margin`` percent of its tokens), as the ledger re-arms them."""
+    remaining = max(0, grant.tokens - grant.consumed)
+    if remaining * 100 > (low_percent + margin) * grant.tokens:
+        return ""
+    return grant.reported
+
+
+def live_grants(record: UserEntitlements, now_ms: int, *, low_percent: int = 0,
+                margin: int = 0) -> list[LiveGrant]:
     """The grants the cache should hold: not voided and not expired at ``now_ms``.
 
     Grants with nothing left are kept too: a refund of a charge drawn from one gives its
@@ -56,7 +87,8 @@ def live_grants(record: UserEntitlements, now_ms: int) -> list[LiveGrant]:
 
     return [LiveGrant(reference=g.reference, remaining=max(0, g.tokens - g.consumed),
                       tokens=g.tokens, expires_at_ms=g.expires_at_ms, kind=g.kind,
-                      created_ms=g.created.at_ms)
+                      created_ms=g.created.at_ms,
+                      reported=reported_flags(g, low_percent, margin))
             for g in record.grants
             if g.voided is None and (g.expires_at_ms is None or now_ms < g.expires_at_ms)]
 
@@ -68,6 +100,23 @@ def suspended_until(record: UserEntitlements, now_ms: int) -> int | None:
     if suspension is None or not suspension.active(now_ms):
         return None
     return 0 if suspension.until_ms is None else suspension.until_ms
+
+
+@dataclass(frozen=True)
+class CreditLowered:
+    """What ``EntitlementCache.lower`` did.
+
+    Attributes:
+        lowered: the ledger's answer.
+        settled: the record of truth holds the lowering (or never held a draw); False when
+            DynamoDB could not be reached: the caller keeps the lowering and tries again.
+        returned: the credit the record of truth gave back (to the copy too, unless it was
+            dropped).
+    """
+
+    lowered: Lowered
+    settled: bool
+    returned: tuple[tuple[str, int], ...] = ()
 
 
 class EntitlementCache:
@@ -94,21 +143,28 @@ class EntitlementCache:
                    now_ms: int | None = None) -> bool:
         """Load the user's copy from DynamoDB under a new epoch.
 
+        The copy is marked first, then the epoch taken, then the record read: a copy
+        lost with the cache in between (and any invalidation with it) refuses this load.
+
         Returns:
             True when this load's copy was written; False when the ledger refused it (an
-            invalidation newer than its epoch, or a newer copy already there).
+            invalidation newer than its epoch, a newer copy already there, or the mark
+            lost with the cache).
 
         Raises:
             StoreUnavailable: DynamoDB failed (nothing was written to the cache).
             LimiterUnavailable: Redis failed.
         """
+        await budget.mark_entitlements(user_id, ttl_s=self.ttl_s)
         epoch: int = await self._run(self.store.bump_epoch, user_id)
         record: UserEntitlements = await self._run(self.store.load, user_id)
         now = int(time.time() * 1000) if now_ms is None else now_ms
+        low, margin = budget.credit_levels
         written: bool = await budget.load_entitlements(
             user_id, epoch=epoch, plan=record.override.plan if record.override else None,
-            suspended_until_ms=suspended_until(record, now), grants=live_grants(record, now),
-            ttl_s=self.ttl_s)
+            suspended_until_ms=suspended_until(record, now),
+            grants=live_grants(record, now, low_percent=low, margin=margin),
+            ttl_s=self.ttl_s, marked=True)
         return written
 
     async def reserve(self, budget: TokenBudget, user_id: str, request_id: str, cost: int,
@@ -145,55 +201,118 @@ class EntitlementCache:
             report = await budget.usage(user_id, **kwargs)
         return report
 
-    async def commit_draw(self, user_id: str, request_id: str, nonce: str,
-                          reservation: Reservation) -> bool:
+    async def commit_draw(self, budget: TokenBudget, user_id: str, request_id: str,
+                          nonce: str, reservation: Reservation, *,
+                          route: str = "") -> CreditState:
         """Record a reservation's draws in DynamoDB (before its provider is called).
 
-        Returns:
-            True when recorded; False when it cannot be (the epoch moved on, or DynamoDB
-            failed): the caller refunds the charge and answers 503.
-        """
-        try:
-            done: bool = await self._run(self.store.commit_draw, user_id, request_id, nonce,
-                                         reservation.draws, reservation.epoch)
-        except StoreUnavailable:
-            log.warning("could not record a draw from credit grants", exc_info=True)
-            return False
-        if not done:
-            log.warning("a draw from credit grants was made under a replaced load epoch")
-        return done
+        A draw refused for a newer epoch is moved onto the newer copy and recorded under
+        its epoch (at most ``MAX_REBASES`` times). An answer lost on the way is resolved:
+        the record is read, or the charge written off so that it can never land.
 
-    async def give_back(self, budget: TokenBudget, user_id: str, request_id: str,
-                        nonce: str, new_cost: int, lowered: Lowered, *,
-                        recorded: bool) -> None:
-        """Make the credit a refund or settle gave back in Redis durable, or drop the copy.
+        Returns:
+            ``recorded`` (serve the request), ``undone`` (not recorded and never will be:
+            refund it, the copy gets the credit back) or ``unknown`` (DynamoDB did not
+            answer: refund it through ``lower``, which settles the record when it can).
+        """
+        reported = {c.reference: "l" if c.kind == "low" else "x"
+                    for c in reservation.credit_crossings}
+        epoch = reservation.epoch
+        for _ in range(MAX_REBASES + 1):
+            try:
+                outcome = await self._run(self.store.commit_draw, user_id, request_id, nonce,
+                                          reservation.draws, epoch, cost=reservation.cost,
+                                          route=route, reported=reported)
+            except StoreUnavailable:
+                log.warning("a draw's record did not answer; resolving it", exc_info=True)
+                return await self._resolve(user_id, request_id, nonce)
+            if outcome != "stale":
+                return "recorded" if outcome == "recorded" else "undone"
+            try:  # a load since the draw: take the draw from the new copy as well
+                status, moved_to = await budget.rebase_draw(user_id, request_id, nonce=nonce,
+                                                            reported=reported)
+                if status == 0 or (status == 1 and moved_to <= epoch):
+                    # no copy, or still the one whose epoch DynamoDB moved past (its
+                    # loader's copy is not written yet): load one at a newer epoch
+                    await self.load(budget, user_id)
+                    status, moved_to = await budget.rebase_draw(user_id, request_id,
+                                                                nonce=nonce, reported=reported)
+            except (LimiterUnavailable, StoreUnavailable):
+                log.warning("could not move a draw onto the user's new copy", exc_info=True)
+                return "undone"
+            if status != 1:
+                return "undone"
+            epoch = moved_to
+        log.warning("a draw kept being overtaken by loads of the user's copy")
+        return "undone"
+
+    async def _resolve(self, user_id: str, request_id: str, nonce: str) -> CreditState:
+        """After a draw's write went unanswered: is it recorded? If not, make sure it never
+        will be (a tombstone), so that the answer can say nothing was charged."""
+        try:
+            found = await self._run(self.store.charge_record, user_id, request_id, nonce)
+            if found is not None:
+                return "undone" if found.state == "void" else "recorded"
+            await self._run(self.store.return_credit, user_id, request_id, nonce, 0)
+        except StoreUnavailable:
+            log.warning("a draw's record is unknown; it is settled when refunded",
+                        exc_info=True)
+            return "unknown"
+        # written off: a tombstone, or (the draw landed in between) its credit returned
+        return "undone"
+
+    async def lower(self, budget: TokenBudget, user_id: str, request_id: str, nonce: str,
+                    new_cost: int, *, state: CreditState,
+                    uncross: Sequence[Crossing] = ()) -> CreditLowered:
+        """Lower a charge to ``new_cost``: its credit in DynamoDB first, then the ledger.
+
+        A charge whose draw the record of truth never holds (``none``, ``undone``,
+        ``drawn``, or a tombstone written now) is the ledger's alone: the copy gets back
+        what the lowering takes off the charge's own draw record. One whose draw is (or may
+        be) recorded gets back in DynamoDB what ``EntitlementStore.return_credit`` decides,
+        and the copy gets exactly that, or is dropped.
 
         Args:
-            new_cost: the charge's cost after the lowering (0 for a refund).
-            lowered: what the ledger's ``lower`` reported.
-            recorded: whether the charge's draws were recorded in DynamoDB. Credit of a
-                draw that never was must not be given back there: the copy is dropped
-                instead, and the next request reloads what DynamoDB holds.
+            state: where the charge's credit stands in the record of truth.
+            uncross: usage-threshold crossings to undo with it (``budget.lower``).
 
-        Never raises: the charge is already lowered in Redis; what cannot be recorded is
-        made safe by dropping the copy (the credit is then lost, never doubled).
+        Returns:
+            A ``CreditLowered``; ``settled`` False asks the caller to keep the lowering and
+            call again (DynamoDB did not answer; the ledger's part is done).
+
+        Raises:
+            LimiterUnavailable: Redis failed (the record of truth's part, if any, is done:
+                calling again is safe).
         """
-        if not lowered.returned:
-            return
-        if recorded:
-            try:
-                if await self._run(self.store.commit_return, user_id, request_id, nonce,
-                                   new_cost, lowered.returned, lowered.epoch):
-                    return
-            except StoreUnavailable:
-                log.warning("could not record credit given back", exc_info=True)
-        await self.forget(budget, user_id, lowered.epoch)
+        if state in ("none", "undone", "drawn"):
+            lowered = await budget.lower(user_id, request_id, new_cost, nonce=nonce,
+                                         credit="drawn" if state != "none" else (),
+                                         uncross=uncross)
+            return CreditLowered(lowered, settled=True)
+        ret: CreditReturn | None
+        try:
+            ret = await self._run(self.store.return_credit, user_id, request_id, nonce,
+                                  new_cost)
+        except StoreUnavailable:
+            log.warning("could not return credit in the record of truth; kept",
+                        exc_info=True)
+            ret = None
+        credit: Any = () if ret is None else ret.returned if ret.existed else "drawn"
+        lowered = await budget.lower(user_id, request_id, new_cost, nonce=nonce,
+                                     credit=credit, uncross=uncross)
+        if ret is not None and (lowered.stale or ret.changed != lowered.changed
+                                or (ret.existed and ret.returned != lowered.returned)):
+            # the copy did not take exactly what DynamoDB did: drop it, it reloads
+            await self.forget(budget, user_id, lowered.epoch)
+        return CreditLowered(lowered, settled=ret is not None,
+                             returned=ret.returned if ret is not None else ())
 
     async def forget(self, budget: TokenBudget, user_id: str, floor_epoch: int) -> None:
         """Drop the user's copy so the next request reloads it from DynamoDB.
 
         A new epoch is taken when DynamoDB answers; else the copy is invalidated just past
-        ``floor_epoch`` (every later load's epoch is larger). Failures are logged only.
+        ``floor_epoch`` (every later load's epoch is larger). Failures are logged only: a
+        copy that cannot be dropped holds less credit than DynamoDB, never more.
         """
         try:
             epoch: int = await self._run(self.store.bump_epoch, user_id)
@@ -217,4 +336,3 @@ class EntitlementCache:
         epoch: int = await self._run(self.store.bump_epoch, user_id)
         await budget.invalidate_entitlements(user_id, epoch=epoch)
         return epoch
-

@@ -131,6 +131,9 @@ class Grant:
         expires_at_ms: when it stops covering requests (None: never).
         created: who created it, why and when.
         voided: who voided it, why and when (None: not voided).
+        reported: the once-only credit reports a draw from it has made: ``l`` (low),
+            ``x`` (exhausted), kept with the grant so that a reload of the cache does not
+            make them again (``cache.reported_flags`` decides whether one is re-armed).
     """
 
     reference: str
@@ -140,6 +143,7 @@ class Grant:
     expires_at_ms: int | None
     created: Change
     voided: Change | None = None
+    reported: str = ""
 
     @property
     def remaining(self) -> int:
@@ -161,8 +165,11 @@ class SupportRefund:
         claimed: the charge's cost when the refund was asked for, tokens.
         tokens: tokens given back (None while the refund is being made).
         change: who asked for it, why and when.
-        nonce: the nonce of the very charge claimed: the refund removes that charge and
+        nonce: the nonce of the very charge refunded: the refund removes that charge and
             never a later one of the same id ("" on a record that predates it).
+        credit: (grant reference, tokens) the refund gave back to grants.
+        forfeited: (grant reference, tokens) it could not give back (the grant had
+            expired or been voided): still consumed.
     """
 
     request_id: str
@@ -170,6 +177,8 @@ class SupportRefund:
     tokens: int | None
     change: Change
     nonce: str = ""
+    credit: tuple[tuple[str, int], ...] = ()
+    forfeited: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,11 @@ from .plans import Plan, Plans, PlanSource
 if TYPE_CHECKING:
     from ..budget import SpendEvent, TokenBudget, WindowUsage
     from .cache import EntitlementCache
+    from .charges import ChargeRecord
     from .store import EntitlementStore
 
 #: Spend events shown in a user's picture.
 PICTURE_EVENTS = 50
-#: How far back a support refund looks for the charge, in events.
-REFUND_SEARCH_EVENTS = 1000
 #: The prefixes the request path gives request ids (Idempotency-Key, API Gateway, generated).
 REQUEST_ID_PREFIXES = ("k:", "r:", "g:")
 
@@ -180,73 +179,87 @@ class Operator:
 
     async def refund(self, user_id: str, request_id: str, *, actor: str,
                      reason: str) -> tuple[SupportRefund, bool]:
-        """Refund one charge, at most once.
+        """Refund one charge, at most once, however long ago it was made.
 
         ``request_id`` is the ledger's id, or the id ``GET /v1/usage`` shows (without its
-        prefix). The refund is claimed in the store first, then made in the ledger, then
-        recorded with its audit entry; a claim left by an attempt that did not finish is
-        completed by the next call (the ledger's refund removes a charge at most once).
+        prefix). The charge is found by its id: in the ledger while a window counts it,
+        and through its credit record in DynamoDB while it holds credit (after a cache
+        loss too). The refund is one DynamoDB transaction (the charge's credit back to the
+        grants it drew from, unless expired or voided; the refund's record; its audit
+        entry), then the ledger gives the windows their tokens back and the copy its
+        credit. A call repeated after a failure finishes what the first one left.
 
         Returns:
             The refund and True when this call made it; the earlier refund and False.
 
         Raises:
-            NotFound: no such charge in the user's ledger (never charged, already refunded
-                by the request path, or left the log).
+            NotFound: no such charge stands (never charged, already refunded by the request
+                path, or out of every window and holding no credit).
+            NotRefreshed: the refund is recorded with its audit entry, but the ledger
+                could not be reached to give the windows back: repeat the call.
         """
-        rid, cost, nonce = await self._find_charge(user_id, request_id)
-        claim, created = await self._run(self.store.claim_support_refund, user_id, rid,
-                                         claimed=cost, actor=actor, reason=reason,
-                                         nonce=nonce)
-        if claim.tokens is not None:
-            return claim, False
-        # The claimed charge's own nonce: the ledger removes exactly that charge, at most
-        # once, and never a later charge of the same id (a retry's, after the claim). No
-        # nonce means the charge left the log after an earlier claim: that attempt refunded.
-        nonce = claim.nonce or nonce
-        refunded = bool(nonce) and await self._refund(user_id, rid, nonce)
-        if not refunded and created:
-            # The request path refunded it first (its request failed): nothing to do.
-            await self._run(self.store.drop_support_refund, claim, user_id)
+        rid, ledger, record = await self._find_charge(user_id, request_id)
+        earlier: SupportRefund | None = await self._run(self.store.support_refund, user_id,
+                                                        rid)
+        if earlier is not None:
+            await self._finish_ledger(user_id, earlier, first=False)
+            return earlier, False
+        if ledger is None and record is None:
             raise NotFound(f"no charge {request_id!r} in the user's ledger")
-        # Refunded now, or by the earlier attempt that left this claim unfinished.
-        done: SupportRefund = await self._run(self.store.finish_support_refund, claim,
-                                              user_id, claim.claimed)
-        await self._refresh(user_id)
-        return done, True
+        nonce = ledger.nonce if ledger is not None else record.nonce  # type: ignore[union-attr]
+        done, created = await self._run(self.store.refund_charge, user_id, rid, nonce,
+                                        tokens=ledger.cost if ledger is not None else 0,
+                                        actor=actor, reason=reason)
+        await self._finish_ledger(user_id, done, first=created)
+        return done, created
 
-    async def _refund(self, user_id: str, rid: str, nonce: str) -> bool:
-        """Remove the charge in the ledger, and record the credit it gives back to its
-        grants (only for draws that were recorded: see ``EntitlementCache.give_back``)."""
-        if self.cache is None:
-            return await self.budget.refund(user_id, rid, nonce=nonce)
-        lowered = await self.budget.lower(user_id, rid, 0, nonce=nonce)
-        recorded = bool(lowered.returned) and await self._run(self.store.draw_recorded,
-                                                               user_id, rid, nonce)
-        await self.cache.give_back(self.budget, user_id, rid, nonce, 0, lowered,
-                                   recorded=recorded)
-        return lowered.changed
+    async def _finish_ledger(self, user_id: str, refund: SupportRefund, *, first: bool) -> None:
+        """Give the refunded charge's tokens back in the ledger, and its credit to the copy.
 
-    async def _find_charge(self, user_id: str, request_id: str) -> tuple[str, int, str]:
-        """The ledger id, cost and nonce of ``request_id``: as given, or with the prefix the
-        request path adds (``GET /v1/usage`` shows ids without it). A charge no longer in
-        the log is found through an earlier claim in the store (nonce ``""``).
+        The copy gets exactly the credit the record of truth gave back, or is dropped (it
+        reloads): never more, and nothing lost.
 
         Raises:
-            NotFound: neither the ledger nor the store knows the charge.
+            NotRefreshed: Redis failed; the refund itself is recorded.
+        """
+        try:
+            if self.cache is None:
+                await self.budget.refund(user_id, refund.request_id, nonce=refund.nonce)
+                return
+            credit = refund.credit if first else ()
+            lowered = await self.budget.lower(user_id, refund.request_id, 0,
+                                              nonce=refund.nonce, credit=credit)
+            if refund.credit and (lowered.stale or lowered.returned != credit):
+                await self.cache.forget(self.budget, user_id, lowered.epoch)
+        except LimiterUnavailable as exc:
+            raise NotRefreshed("the refund is recorded, with the credit given back to its "
+                               "grants, but the ledger could not be reached to give the "
+                               "windows their tokens back; repeat the call (it is "
+                               "idempotent)") from exc
+
+    async def _find_charge(self, user_id: str, request_id: str,
+                           ) -> tuple[str, SpendEvent | None, ChargeRecord | None]:
+        """The ledger id of ``request_id`` (as given, or with the prefix the request path
+        adds: ``GET /v1/usage`` shows ids without it), the ledger's charge of it (None when
+        no window counts it) and its credit record still holding credit (None when none).
+
+        Raises:
+            NotFound: no id of these is known to the ledger or the store.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id is required")
         candidates = (request_id, *(p + request_id for p in REQUEST_ID_PREFIXES))
-        usage = await self.budget.usage(user_id, events=REFUND_SEARCH_EVENTS)
-        charges = {e.request_id: e for e in usage.events}
-        for candidate in candidates:
-            if candidate in charges:
-                return candidate, charges[candidate].cost, charges[candidate].nonce
-        for candidate in candidates:
-            earlier = await self._run(self.store.support_refund, user_id, candidate)
-            if earlier is not None:
-                return candidate, earlier.claimed, ""
+        for rid in candidates:
+            ledger = await self.budget.charge(user_id, rid)
+            records: list[ChargeRecord] = await self._run(self.store.charge_records, user_id,
+                                                          rid)
+            standing = [r for r in records if r.state != "void" and r.kept > 0
+                        and (ledger is None or r.nonce == ledger.nonce)]
+            record = standing[-1] if standing else None
+            if ledger is not None or record is not None:
+                return rid, ledger, record
+            if await self._run(self.store.support_refund, user_id, rid) is not None:
+                return rid, None, None
         raise NotFound(f"no charge {request_id!r} in the user's ledger")
 
     def now_ms(self) -> int:

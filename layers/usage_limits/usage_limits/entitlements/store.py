@@ -8,10 +8,9 @@ One table, on-demand, point-in-time recovery on (template.yaml ``EntitlementsTab
     U#<user>    E#G#<reference>            a grant (tokens, consumed, kind, expiry, voided)
     U#<user>    E#LOAD                     the load epoch: raised by every load of the cache
                                            and every operator change
-    U#<user>    D#<nonce>#d#<request id>   one charge's draws from grants (made durable
-                                           before its provider is called)
-    U#<user>    D#<nonce>#r<n>#<request id>  credit that lowering the charge to n tokens gave
-                                           back (the nonce is the charge's; it has no #)
+    U#<user>    C#<request id>#<nonce>     one charge's credit: drawn, returned, forfeited
+                                           (``charges``; made durable before its provider
+                                           is called)
     U#<user>    R#<request id>             a support refund of one charge (at most once)
     U#<user>    A#<ms, 13 digits>#<id>     an operator action (audit), newest last
     GSI ``audit`` (sparse: only audit items carry its keys)
@@ -22,9 +21,11 @@ Everything the hot path needs about a user sits under ``E#``, so loading it is o
 Draws are made in the cache (the reservation script) and then recorded here in one
 transaction that also checks the load epoch: a draw made under an epoch that a later load
 has replaced can never commit (its credit would be counted twice: once by the load, which
-did not see it, and once by the commit). The same holds for credit given back.
-Every change is written in one transaction with its audit item: an action is recorded
-exactly when it happened. A grant's creation is a conditional put on its reference, so the
+did not see it, and once by the commit); the caller moves it onto the new copy and tries
+again. Credit given back is conditioned on the charge's own record, never on the epoch:
+every movement of credit is a record here, and the cache's copy is derived from them.
+Every operator change is written in one transaction with its audit item: an action is
+recorded exactly when it happened. A grant's creation is a conditional put on its reference, so the
 same reference never makes a second grant, however often it is retried.
 
 boto3 is imported on first use, never at module import (cold start).
@@ -32,15 +33,30 @@ boto3 is imported on first use, never at module import (cold start).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .. import snapstart
 from ..exceptions import InvalidArgument
+from .charges import (
+    CHARGE_PREFIX,
+    ChargeRecord,
+    DrawOutcome,
+    Pairs,
+    charge_sk,
+    check_nonce,
+    check_pairs,
+    decode_pairs,
+    encode_pairs,
+    merged,
+    record_of,
+    split_return,
+    totals,
+)
 from .config import StoreSettings, store_settings
 from .exceptions import NotFound, StoreUnavailable
 from .models import (
@@ -65,11 +81,12 @@ DEFAULT_AUDIT = 50
 MAX_AUDIT = 500
 
 #: The attribute DynamoDB's time to live reads (epoch seconds), as template.yaml declares it.
-#: Only draw records carry it: grants, suspensions, overrides, refunds and the audit log stay.
+#: Only charge records carry it: grants, suspensions, overrides, refunds and the audit log
+#: stay.
 TTL_ATTRIBUTE = "ttl"
-#: How long a draw or return record is kept, days. A retry of the same charge comes within
-#: seconds, so its once-only record is long gone only for charges far out of every window;
-#: over a year keeps a yearly audit of where each grant's tokens went.
+#: How long a charge's credit record is kept, days: over a year keeps a yearly audit of
+#: where each grant's tokens went. A grant older than that may count consumption whose
+#: records are gone (the auditor allows for it).
 DRAW_RECORD_DAYS = 400
 
 #: The table's key schema, as template.yaml declares it (a test keeps the two in step).
@@ -99,11 +116,15 @@ _PLAN_SK = "E#PLAN"
 _SUSP_SK = "E#SUSP"
 _GRANT = "E#G#"
 _LOAD_SK = "E#LOAD"
-_DRAW = "D#"
 _REFUND = "R#"
 #: Attempts of a draw or return transaction that DynamoDB cancels for a conflict with
 #: another transaction on the same grant.
 _CONFLICT_ATTEMPTS = 4
+#: Attempts of a return: conflicts, a record lowered meanwhile, and one more per grant that
+#: turns out voided or expired (each forfeits its part and tries again).
+_RETURN_ATTEMPTS = 8
+#: The grant attributes that keep its credit reports (once-only events), ms when made.
+_FLAG_ATTRS = {"l": "low_at", "x": "exhausted_at"}
 _AUDIT = "A#"
 _MAX_USER_ID = 256
 
@@ -128,6 +149,50 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _record_ttl() -> int:
+    return int(time.time()) + DRAW_RECORD_DAYS * 86400
+
+
+def _cancel_codes(exc: Any) -> list[str | None]:
+    """The codes of a cancelled transaction, one per item (None for an item that passed)."""
+    reasons = exc.response.get("CancellationReasons") or []
+    return [r.get("Code") if r.get("Code") != "None" else None for r in reasons]
+
+
+class ExtraConditionFailed(Exception):  # noqa: N818  (internal signal, not a public error)
+    """An extra item of a return failed its condition (``index`` among the extra items)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
+
+
+#: Makes the extra transaction items of a return, given what it returns and forfeits.
+ExtraItems = Callable[[Pairs, Pairs], list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class CreditReturn:
+    """What ``EntitlementStore.return_credit`` did.
+
+    Attributes:
+        changed: this call lowered the record (or wrote the tombstone of a charge that had
+            none); False when it was at or below the new cost already.
+        existed: a draw of the charge is recorded (False: none, a tombstone now).
+        returned: (reference, tokens) given back to grants by this call, reverse draw
+            order.
+        forfeited: (reference, tokens) this call took off the charge whose grant had
+            expired or been voided: still consumed.
+        record: the record after the call (None for a tombstone written now).
+    """
+
+    changed: bool
+    existed: bool
+    returned: Pairs = ()
+    forfeited: Pairs = ()
+    record: ChargeRecord | None = None
+
+
 def _change(item: Mapping[str, Any], prefix: str = "") -> Change:
     return Change(actor=str(item[prefix + "actor"]), reason=str(item[prefix + "reason"]),
                   at_ms=int(item[prefix + "at"]))
@@ -144,7 +209,8 @@ def _grant(item: Mapping[str, Any]) -> Grant:
                  consumed=int(item.get("consumed", 0)), kind=item["kind"],
                  expires_at_ms=None if expires is None else int(expires),
                  created=_change(item),
-                 voided=_change(item, "void_") if "void_at" in item else None)
+                 voided=_change(item, "void_") if "void_at" in item else None,
+                 reported="".join(f for f, attr in _FLAG_ATTRS.items() if attr in item))
 
 
 def _suspension(item: Mapping[str, Any]) -> Suspension:
@@ -441,7 +507,7 @@ class EntitlementStore:
             self._audit_put(user_id, "suspension.lift", change, {})])
         return _suspension(current) if done else None
 
-    # --- the cache's load epoch, draws and credit given back ------------------------------
+    # --- the cache's load epoch, and credit moving between grants and charges -------------
 
     def bump_epoch(self, user_id: str) -> int:
         """Raise the user's load epoch by one (``ADD``) and return the new value.
@@ -463,67 +529,48 @@ class EntitlementStore:
         return int(item["epoch"]) if item else 0
 
     def commit_draw(self, user_id: str, request_id: str, nonce: str,
-                    draws: Sequence[tuple[str, int]], epoch: int) -> bool:
+                    draws: Sequence[tuple[str, int]], epoch: int, *, cost: int,
+                    route: str = "", reported: Mapping[str, str] | None = None,
+                    ) -> DrawOutcome:
         """Record one charge's draws from grants, once, if the load epoch is still ``epoch``.
 
-        One transaction: the epoch check, a ``D#<nonce>#d#<request id>`` record (conditional
-        on not existing) and ``ADD consumed`` on each grant drawn. Called again with the
-        same charge (a retry), it finds the record and changes nothing.
+        One transaction: the epoch check, the charge record ``C#<request id>#<nonce>``
+        (created only if absent) and ``ADD consumed`` on each grant drawn, with the credit
+        reports the draw crossed (``reported``) kept on the grant.
 
         Args:
             draws: (grant reference, tokens) pairs, as the reservation reported them.
-            epoch: the cache's load epoch the reservation saw.
+            epoch: the cache's load epoch the reservation drew under.
+            cost: the charge's cost, tokens (>= the tokens drawn).
+            route: the route charged.
+            reported: per grant reference, the credit reports the draw crossed (``l``
+                low, ``x`` exhausted): a reload of the cache knows they were made.
 
         Returns:
-            True when the draws are recorded (now or by an earlier call); False when the
-            epoch moved on (a load or an operator change since): nothing was written.
+            ``recorded`` (now or by an earlier attempt of the same charge), ``stale`` (the
+            epoch moved on: nothing was written) or ``void`` (a lowering of this charge
+            wrote it off first: it can never be recorded).
 
         Raises:
             InvalidArgument: no draws, or a malformed one.
-            StoreUnavailable: DynamoDB failed; nothing is known to be written.
+            StoreUnavailable: DynamoDB failed; whether the draw landed is unknown (ask
+                ``charge_record``, or settle it with ``return_credit``).
         """
-        return self._commit_credit(user_id, request_id, nonce, draws, epoch, sign=1,
-                                   suffix="d", op="draw")
-
-    def commit_return(self, user_id: str, request_id: str, nonce: str, new_cost: int,
-                      returned: Sequence[tuple[str, int]], epoch: int) -> bool:
-        """Record credit that lowering a charge to ``new_cost`` gave back to its grants.
-
-        The same transaction as ``commit_draw``, with ``ADD consumed -n``; the record
-        ``D#<nonce>#r<new_cost>#<request id>`` makes it happen once per lowering.
-
-        Returns:
-            True when recorded (now or earlier); False when the epoch moved on.
-
-        Raises:
-            InvalidArgument: nothing returned, or a malformed pair.
-            StoreUnavailable: DynamoDB failed.
-        """
-        if isinstance(new_cost, bool) or not isinstance(new_cost, int) or new_cost < 0:
-            raise InvalidArgument("new_cost must be an integer >= 0")
-        return self._commit_credit(user_id, request_id, nonce, returned, epoch, sign=-1,
-                                   suffix=f"r{new_cost}", op="return")
-
-    def _commit_credit(self, user_id: str, request_id: str, nonce: str,
-                       pairs: Sequence[tuple[str, int]], epoch: int, *, sign: int,
-                       suffix: str, op: str) -> bool:
         from botocore.exceptions import ClientError
 
         pk = _pk(user_id)
         _check_request_id(request_id)
-        if not isinstance(nonce, str) or not nonce or not nonce.isprintable() \
-                or any(c in nonce for c in " #"):
-            raise InvalidArgument("nonce must be a non-empty string without spaces or #")
+        check_nonce(nonce)
+        pairs = check_pairs(draws, "draw")
         if not pairs:
-            raise InvalidArgument(f"a {op} needs at least one grant")
-        totals: dict[str, int] = {}
-        for reference, tokens in pairs:
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-                raise InvalidArgument(f"tokens of a {op} must be positive integers")
-            totals[check_reference(reference)] = totals.get(reference, 0) + tokens
-        record = {"request_id": request_id, "nonce": nonce, "op": op, "epoch": epoch,
-                  "draws": " ".join(f"{r}={n}" for r, n in pairs), "at": _now_ms(),
-                  TTL_ATTRIBUTE: int(time.time()) + DRAW_RECORD_DAYS * 86400}
+            raise InvalidArgument("a draw needs at least one grant")
+        if isinstance(cost, bool) or not isinstance(cost, int) \
+                or cost < sum(n for _, n in pairs):
+            raise InvalidArgument("cost must be an integer at least the tokens drawn")
+        now = _now_ms()
+        record = {"request_id": request_id, "nonce": nonce, "cost": cost, "kept": cost,
+                  "draws": encode_pairs(pairs), "state": "drawn", "epoch": epoch,
+                  "route": route, "at": now, TTL_ATTRIBUTE: _record_ttl()}
         items: list[dict[str, Any]] = [
             {"ConditionCheck": {"TableName": self.table,
                                 "Key": self._ser({"pk": pk, "sk": _LOAD_SK}),
@@ -531,51 +578,189 @@ class EntitlementStore:
                                 "ExpressionAttributeNames": {"#e": "epoch"},
                                 "ExpressionAttributeValues": self._ser({":e": epoch})}},
             # an Update that creates the record, once (the request path needs no PutItem)
-            {"Update": {"TableName": self.table,
-                        "Key": self._ser({"pk": pk,
-                                          "sk": f"{_DRAW}{nonce}#{suffix}#{request_id}"}),
-                        "ConditionExpression": "attribute_not_exists(pk)",
-                        "UpdateExpression": "SET " + ", ".join(f"#{k} = :{k}" for k in record),
-                        "ExpressionAttributeNames": {f"#{k}": k for k in record},
-                        "ExpressionAttributeValues": self._ser(
-                            {f":{k}": v for k, v in record.items()})}},
-            *({"Update": {"TableName": self.table,
-                          "Key": self._ser({"pk": pk, "sk": _GRANT + reference}),
-                          "ConditionExpression": "attribute_exists(pk)",
-                          "UpdateExpression": "ADD #c :n",  # CONSUMED is a reserved word
-                          "ExpressionAttributeNames": {"#c": "consumed"},
-                          "ExpressionAttributeValues": self._ser({":n": sign * tokens})}}
-              for reference, tokens in totals.items())]
+            self._create_update(pk, charge_sk(request_id, nonce), record)]
+        for reference, tokens in totals(pairs).items():
+            flags = (reported or {}).get(reference, "")
+            sets = [f"{_FLAG_ATTRS[f]} = if_not_exists({_FLAG_ATTRS[f]}, :t)"
+                    for f in "lx" if f in flags]
+            values: dict[str, Any] = {":n": tokens, **({":t": now} if sets else {})}
+            items.append({"Update": {
+                "TableName": self.table, "Key": self._ser({"pk": pk, "sk": _GRANT + reference}),
+                "ConditionExpression": "attribute_exists(pk)",
+                "UpdateExpression": "ADD #c :n" + (" SET " + ", ".join(sets) if sets else ""),
+                "ExpressionAttributeNames": {"#c": "consumed"},  # a reserved word
+                "ExpressionAttributeValues": self._ser(values)}})
         for attempt in range(_CONFLICT_ATTEMPTS):
             try:
                 self._call(self.client.transact_write_items, TransactItems=items)
-                return True
+                return "recorded"
             except ClientError as exc:
-                codes = [r.get("Code") for r in exc.response.get("CancellationReasons") or []]
-                if codes[:1] == ["ConditionalCheckFailed"]:
-                    return False  # a load or an operator change since the reservation
+                codes = _cancel_codes(exc)
                 if len(codes) > 1 and codes[1] == "ConditionalCheckFailed":
-                    return True  # this very charge's record is there: done before
+                    # the record is there: an earlier attempt of this very draw landed (its
+                    # answer was lost), or a lowering wrote the charge off first
+                    found = self.charge_record(user_id, request_id, nonce)
+                    return "void" if found is None or found.state == "void" else "recorded"
+                if codes[:1] == ["ConditionalCheckFailed"]:
+                    return "stale"  # a load or an operator change since the reservation
                 if "TransactionConflict" in codes and attempt + 1 < _CONFLICT_ATTEMPTS:
                     time.sleep(0.01 * 2 ** attempt)
                     continue
-                raise StoreUnavailable(f"the entitlements store cancelled a {op}: "
+                raise StoreUnavailable(f"the entitlements store cancelled a draw: "
                                        f"{codes or exc.response.get('Error', {}).get('Code')}"
                                        ) from exc
-        raise StoreUnavailable(f"the {op} kept conflicting with other writes")  # unreachable
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def draw_recorded(self, user_id: str, request_id: str, nonce: str) -> bool:
-        """Whether the draws of the charge made by ``nonce`` are recorded (``commit_draw``)."""
+    def charge_record(self, user_id: str, request_id: str, nonce: str) -> ChargeRecord | None:
+        """The credit record of the charge ``nonce`` made for ``request_id``, or None."""
         _check_request_id(request_id)
-        return self._get(user_id, f"{_DRAW}{nonce}#d#{request_id}") is not None
+        item = self._get(user_id, charge_sk(request_id, check_nonce(nonce)))
+        return record_of(item) if item else None
 
-    def credit_records(self, user_id: str) -> list[dict[str, Any]]:
-        """Every draw and return record of the user, oldest key first (tests, support)."""
+    def charge_records(self, user_id: str, request_id: str | None = None) -> list[ChargeRecord]:
+        """Every credit record of the user (of one request id when given), oldest first
+        within a request id (support, the auditor and tests)."""
+        prefix = CHARGE_PREFIX if request_id is None else \
+            charge_sk(_check_request_id(request_id), "")
+        out = [record_of(item) for item in self._query_prefix(user_id, prefix)]
+        if request_id is not None:
+            out = [r for r in out if r.request_id == request_id]
+        return sorted(out, key=lambda r: (r.request_id, r.at_ms))
+
+    def return_credit(self, user_id: str, request_id: str, nonce: str, new_cost: int, *,
+                      now_ms: int | None = None,
+                      extra: ExtraItems | None = None) -> CreditReturn:
+        """Lower the charge's record to ``new_cost`` and give its drawn credit back.
+
+        Lowering by ``delta`` takes ``min(delta, still drawn)`` off the draws in reverse
+        draw order (``charges.split_return``); each part goes back to its grant (``ADD
+        consumed -n``) unless that grant has expired at ``now_ms`` or been voided, when
+        it is forfeited. One transaction, conditioned on the record as it was read, never
+        on the cache's epoch. A record already at or below ``new_cost`` is left alone
+        (a re-sent or repeated call changes nothing). No record: a tombstone is written,
+        so that a draw of this charge still on its way can never land.
+
+        Args:
+            new_cost: the charge's cost after the lowering (0: refunded).
+            now_ms: the time that decides whether a grant has expired (default: now).
+            extra: makes more transaction items that must commit with the lowering (a
+                support refund's record and audit entry), given the credit returned and
+                forfeited; their condition failing raises ``ExtraConditionFailed`` and
+                nothing is written.
+
+        Returns:
+            A ``CreditReturn``.
+
+        Raises:
+            InvalidArgument: a malformed argument (nothing written).
+            ExtraConditionFailed: an item of ``extra`` failed its condition.
+            StoreUnavailable: DynamoDB failed; the lowering may or may not have landed
+                (calling again is safe: it lands once).
+        """
+        from botocore.exceptions import ClientError
+
+        pk = _pk(user_id)
+        _check_request_id(request_id)
+        check_nonce(nonce)
+        if isinstance(new_cost, bool) or not isinstance(new_cost, int) or new_cost < 0:
+            raise InvalidArgument("new_cost must be an integer >= 0")
+        now = _now_ms() if now_ms is None else now_ms
+        forfeit: set[str] = set()
+        for attempt in range(_RETURN_ATTEMPTS):
+            record = self.charge_record(user_id, request_id, nonce)
+            if record is not None and (record.kept <= new_cost or record.state == "void"):
+                return CreditReturn(changed=False, existed=record.state != "void",
+                                    record=record)
+            if record is None:
+                tomb = {"request_id": request_id, "nonce": nonce, "cost": 0, "kept": 0,
+                        "draws": "", "state": "void", "at": now, TTL_ATTRIBUTE: _record_ttl()}
+                back: Pairs = ()
+                items = [self._create_update(pk, charge_sk(request_id, nonce), tomb)]
+            else:
+                back = split_return(record.standing, record.kept - new_cost)
+                items = [self._lowering(pk, record, new_cost, back, forfeit, now),
+                         *self._grant_returns(pk, back, forfeit, now)]
+            returned = tuple((r, n) for r, n in back if r not in forfeit)
+            lost = tuple((r, n) for r, n in back if r in forfeit)
+            first_extra = len(items)
+            if extra is not None:
+                items += extra(returned, lost)
+            try:
+                self._call(self.client.transact_write_items, TransactItems=items)
+            except ClientError as exc:
+                codes = _cancel_codes(exc)
+                failed = [i for i, c in enumerate(codes) if c == "ConditionalCheckFailed"]
+                if any(i >= first_extra for i in failed) and not any(
+                        i < first_extra for i in failed):
+                    raise ExtraConditionFailed(min(failed) - first_extra) from exc
+                if failed and failed[0] == 0:
+                    continue  # the record changed since it was read (or a draw landed)
+                if failed:  # a grant expired or was voided since: its part is forfeited
+                    grants = [r for r, _ in merged(back) if r not in forfeit]
+                    forfeit.update(grants[i - 1] for i in failed if 0 < i <= len(grants))
+                    continue
+                if "TransactionConflict" in codes and attempt + 1 < _RETURN_ATTEMPTS:
+                    time.sleep(0.01 * 2 ** attempt)
+                    continue
+                raise StoreUnavailable(f"the entitlements store cancelled a return: "
+                                       f"{codes or exc.response.get('Error', {}).get('Code')}"
+                                       ) from exc
+            if record is None:
+                return CreditReturn(changed=True, existed=False)
+            return CreditReturn(changed=True, existed=True, returned=returned, forfeited=lost,
+                                record=self.charge_record(user_id, request_id, nonce))
+        raise StoreUnavailable("the return kept conflicting with other writes")
+
+    def _create_update(self, pk: str, sk: str, record: Mapping[str, Any]) -> dict[str, Any]:
+        """A transaction item creating an item (an Update: the request path has no PutItem)."""
+        return {"Update": {
+            "TableName": self.table, "Key": self._ser({"pk": pk, "sk": sk}),
+            "ConditionExpression": "attribute_not_exists(pk)",
+            "UpdateExpression": "SET " + ", ".join(f"#{k} = :{k}" for k in record),
+            "ExpressionAttributeNames": {f"#{k}": k for k in record},
+            "ExpressionAttributeValues": self._ser({f":{k}": v for k, v in record.items()})}}
+
+    def _lowering(self, pk: str, record: ChargeRecord, new_cost: int, back: Pairs,
+                  forfeit: set[str], now: int) -> dict[str, Any]:
+        """The update of a charge record lowered to ``new_cost``, conditioned on its read."""
+        returned = merged((*record.returned, *((r, n) for r, n in back if r not in forfeit)))
+        lost = merged((*record.forfeited, *((r, n) for r, n in back if r in forfeit)))
+        after = ChargeRecord(record.request_id, record.nonce, record.cost, new_cost,
+                             record.draws, returned, lost)  # checks the record's invariant
+        values = {":kept": after.kept, ":ret": encode_pairs(returned),
+                  ":lost": encode_pairs(lost), ":at": now, ":old": record.kept,
+                  ":state": "returned" if new_cost == 0 else "lowered"}
+        return {"Update": {
+            "TableName": self.table,
+            "Key": self._ser({"pk": pk, "sk": charge_sk(record.request_id, record.nonce)}),
+            "ConditionExpression": "kept = :old",
+            "UpdateExpression": "SET kept = :kept, ret = :ret, lost = :lost, "
+                                "#s = :state, changed_at = :at",
+            "ExpressionAttributeNames": {"#s": "state"},
+            "ExpressionAttributeValues": self._ser(values)}}
+
+    def _grant_returns(self, pk: str, back: Pairs, forfeit: set[str],
+                       now: int) -> list[dict[str, Any]]:
+        """``ADD consumed -n`` on each grant that gets credit back: only one that is still
+        neither voided nor expired at ``now`` (its condition; else the part is forfeited).
+        A return re-arms the grant's credit reports when it lifts remaining above the
+        re-arming level (decided when the cache loads it: ``reported_flags``)."""
+        return [{"Update": {
+            "TableName": self.table, "Key": self._ser({"pk": pk, "sk": _GRANT + reference}),
+            "ConditionExpression": "attribute_exists(pk) AND attribute_not_exists(void_at) "
+                                   "AND (attribute_not_exists(expires_at) OR expires_at > :now)",
+            "UpdateExpression": "ADD #c :n",
+            "ExpressionAttributeNames": {"#c": "consumed"},
+            "ExpressionAttributeValues": self._ser({":n": -tokens, ":now": now})}}
+            for reference, tokens in merged(back) if reference not in forfeit]
+
+    def _query_prefix(self, user_id: str, prefix: str) -> list[dict[str, Any]]:
+        """Every item of the user whose sort key starts with ``prefix``, strongly read."""
         items: list[dict[str, Any]] = []
         kwargs: dict[str, Any] = {
             "TableName": self.table, "ConsistentRead": True,
-            "KeyConditionExpression": "pk = :pk AND begins_with(sk, :d)",
-            "ExpressionAttributeValues": self._ser({":pk": _pk(user_id), ":d": _DRAW})}
+            "KeyConditionExpression": "pk = :pk AND begins_with(sk, :p)",
+            "ExpressionAttributeValues": self._ser({":pk": _pk(user_id), ":p": prefix})}
         while True:
             reply = self._call(self.client.query, **kwargs)
             items.extend(self._de(item) for item in reply.get("Items", []))
@@ -586,70 +771,81 @@ class EntitlementStore:
     # --- support refunds --------------------------------------------------------------------
 
     def support_refund(self, user_id: str, request_id: str) -> SupportRefund | None:
-        """The support refund of this charge, if one was asked for."""
+        """The support refund of this charge, if one was made."""
         item = self._get(user_id, _REFUND + _check_request_id(request_id))
         if item is None:
             return None
         tokens = item.get("tokens")
         return SupportRefund(request_id, int(item.get("claimed", 0)),
                              None if tokens is None else int(tokens), _change(item),
-                             str(item.get("nonce", "")))
+                             str(item.get("nonce", "")), decode_pairs(item.get("credit")),
+                             decode_pairs(item.get("lost")))
 
-    def claim_support_refund(self, user_id: str, request_id: str, *, claimed: int, actor: str,
-                             reason: str, nonce: str = "",
-                             now_ms: int | None = None) -> tuple[SupportRefund, bool]:
-        """Claim the one support refund of a charge of ``claimed`` tokens, before the ledger
-        is touched. ``nonce`` is that charge's: an attempt that completes the claim removes
-        that very charge, never one a retry made later under the same id.
+    def refund_charge(self, user_id: str, request_id: str, nonce: str, *, tokens: int,
+                      actor: str, reason: str, now_ms: int | None = None,
+                      ) -> tuple[SupportRefund, bool]:
+        """A support refund of the charge ``nonce`` made for ``request_id``, at most once.
+
+        One transaction: the charge's credit comes back (``return_credit`` to 0: to the
+        grants it drew from, unless expired or voided), the refund's record
+        ``R#<request id>`` (created only if absent) and its audit entry. So the refund and
+        its audit entry happen together or not at all. The ledger's windows (Redis) are
+        the caller's to lower afterwards.
+
+        Args:
+            tokens: the charge's cost as the ledger holds it (what its windows get back);
+                0 when the ledger no longer holds it (only its credit comes back).
 
         Returns:
-            The claim and True when this call made it; the existing record and False when
-            one exists (finished when its ``tokens`` is set, else an attempt that did not
-            finish, which the caller completes).
+            The refund and True when this call made it; the earlier refund and False.
+
+        Raises:
+            NotFound: nothing of the charge stands: the ledger holds none (``tokens`` 0)
+                and its credit record is refunded or absent.
+            StoreUnavailable: DynamoDB failed; the refund may or may not have landed
+                (calling again is safe).
         """
-        from botocore.exceptions import ClientError
-
         change = Change(actor, check_reason(reason), now_ms or _now_ms())
-        item = {"pk": _pk(user_id), "sk": _REFUND + _check_request_id(request_id),
-                "request_id": request_id, "claimed": claimed, **_change_attrs(change)}
-        if nonce:
-            item["nonce"] = nonce
-        try:
-            self._call(self.client.put_item, TableName=self.table, Item=self._ser(item),
-                       ConditionExpression="attribute_not_exists(pk)")
-        except ClientError as exc:
-            existing = self.support_refund(user_id, request_id)
-            if existing is None:
-                raise StoreUnavailable("the refund claim vanished") from exc
-            return existing, False
-        return SupportRefund(request_id, claimed, None, change, nonce), True
+        pk = _pk(user_id)
 
-    def finish_support_refund(self, claim: SupportRefund, user_id: str, tokens: int) -> \
-            SupportRefund:
-        """Record what a claimed refund gave back, with its audit entry, in one transaction."""
-        key = {"pk": _pk(user_id), "sk": _REFUND + claim.request_id}
-        done = self._transact([
-            {"Update": {"TableName": self.table, "Key": self._ser(key),
-                        "ConditionExpression": "attribute_exists(pk) AND "
-                                               "attribute_not_exists(tokens)",
-                        "UpdateExpression": "SET tokens = :n",
-                        "ExpressionAttributeValues": self._ser({":n": tokens})}},
-            self._audit_put(user_id, "refund", claim.change,
-                            {"request_id": claim.request_id, "tokens": tokens})])
-        if not done:
-            existing = self.support_refund(user_id, claim.request_id)
-            if existing is not None:
-                return existing
-        return SupportRefund(claim.request_id, claim.claimed, tokens, claim.change, claim.nonce)
+        def items(returned: Pairs, forfeited: Pairs) -> list[dict[str, Any]]:
+            item = {"pk": pk, "sk": _REFUND + request_id, "request_id": request_id,
+                    "claimed": tokens, "tokens": tokens, "nonce": nonce,
+                    "credit": encode_pairs(returned), "lost": encode_pairs(forfeited),
+                    **_change_attrs(change)}
+            return [{"Put": {"TableName": self.table, "Item": self._ser(item),
+                             "ConditionExpression": "attribute_not_exists(pk)"}},
+                    self._audit_put(user_id, "refund", change, {
+                        "request_id": request_id, "tokens": tokens,
+                        "credit": [{"reference": r, "tokens": n} for r, n in returned],
+                        "forfeited": [{"reference": r, "tokens": n} for r, n in forfeited]})]
 
-    def drop_support_refund(self, claim: SupportRefund, user_id: str) -> None:
-        """Forget an unfinished claim whose charge was not in the ledger (nothing changed)."""
-        key = {"pk": _pk(user_id), "sk": _REFUND + claim.request_id}
-        from botocore.exceptions import ClientError
-
-        with contextlib.suppress(ClientError):  # finished meanwhile by another call: keep it
-            self._call(self.client.delete_item, TableName=self.table, Key=self._ser(key),
-                       ConditionExpression="attribute_not_exists(tokens)")
+        earlier = self.support_refund(user_id, request_id)
+        if earlier is not None:
+            return earlier, False
+        for _ in range(_CONFLICT_ATTEMPTS):
+            record = self.charge_record(user_id, request_id, nonce)
+            standing = record is not None and record.state != "void" and record.kept > 0
+            if not standing and tokens == 0:
+                raise NotFound(f"no charge {request_id!r} stands to be refunded")
+            try:
+                if standing or record is None:  # the credit back, or a tombstone
+                    done = self.return_credit(user_id, request_id, nonce, 0,
+                                              now_ms=change.at_ms, extra=items)
+                    if not done.changed:
+                        continue  # lowered by another call since it was read: look again
+                elif not self._transact(items((), ())):
+                    raise ExtraConditionFailed(0)
+                else:
+                    done = CreditReturn(changed=False, existed=True)
+            except ExtraConditionFailed:
+                found = self.support_refund(user_id, request_id)
+                if found is None:
+                    raise StoreUnavailable("the support refund's record vanished") from None
+                return found, False
+            return SupportRefund(request_id, tokens, tokens, change, nonce, done.returned,
+                                 done.forfeited), True
+        raise StoreUnavailable("the support refund kept conflicting with other writes")
 
     # --- setup (tests and the local stack) --------------------------------------------------
 

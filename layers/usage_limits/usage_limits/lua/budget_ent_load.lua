@@ -2,9 +2,15 @@
 
 Writes only when ent has no epoch and this load's epoch is at least ent.want (the least
 epoch an invalidation asked for), or when ent holds a smaller epoch; the whole hash is then
-replaced. A grant whose remaining is unchanged keeps its credit-report flags (so a low or
-exhausted crossing is not reported again). An ent already at this very epoch is left as it
-is: a re-sent load (or a second loader of the same epoch) changes nothing and succeeds.
+replaced, the grants' credit-report flags included (the record of truth keeps them). An
+ent already at this very epoch is left as it is: a re-sent load (or a second loader of the
+same epoch) changes nothing and succeeds.
+
+A marked load (ARGV[6] = '1') writes only into an ent that exists: the loader marked it
+(budget_ent_mark.lua) before it took its epoch and read the record of truth. An ent that
+is gone by now was lost with the cache (FLUSHALL, a failover that dropped the last writes)
+while the load ran, and with it any invalidation that an operator change made meanwhile:
+the load is refused, and the caller loads again.
 
 KEYS[1]  ent         hash: epoch, want, plan, susp, g:<reference> (see _budget_grants.lua)
 ARGV[1]  epoch       this load's epoch (integer >= 1)
@@ -12,7 +18,9 @@ ARGV[2]  ttl_ms      expiry of ent, ms (integer >= 1)
 ARGV[3]  plan        the operator's plan override; '' = none
 ARGV[4]  susp        suspension end, ms since the epoch, 0 = until lifted; '' = none
 ARGV[5]  grants      the live grants, one "<reference> <remaining> <expires_ms or 0> <kind>
-                     <created_ms> <tokens>" per line (may be empty)
+                     <created_ms> <tokens>[ <flags>]" per line (may be empty); flags: the
+                     credit reports already made, a subset of "lx"
+ARGV[6]  marked      '1': write only into an existing ent (a marked load); '' otherwise
 
 Returns {loaded, epoch}: loaded 1 when ent now holds this epoch (written now or already),
 0 when refused (ent holds a newer epoch, or wants one); epoch = ent's epoch after the call
@@ -25,11 +33,13 @@ local ttl_ms = ARGV[2]
 local plan = ARGV[3]
 local susp = ARGV[4]
 local grants = ARGV[5]
+local marked = ARGV[6] == '1'
 
 local entitled = true
 --#include _budget_grants.lua  (entitlements and draws)
 
 local current = G.load_ent(ent_key)
+if marked and redis.call('EXISTS', ent_key) == 0 then return {0, 0} end
 if current.epoch then
   if current.epoch == epoch then return {1, epoch} end
   if current.epoch > epoch then return {0, current.epoch} end
@@ -37,8 +47,6 @@ elseif current.want and epoch < current.want then
   return {0, 0}
 end
 
-local kept = {}
-for _, g in ipairs(G.more().grants_of(current)) do kept[g.ref] = g end
 local fields = {'epoch', string.format('%d', epoch)}
 if plan ~= '' then
   fields[#fields + 1] = 'plan'
@@ -49,13 +57,11 @@ if susp ~= '' then
   fields[#fields + 1] = susp
 end
 for line in string.gmatch(grants, '[^\n]+') do
-  local ref, rem, exp, kind, created, tokens = string.match(
-    line, '^(%S+) (%d+) (%d+) (%a+) (%d+) (%d+)$')
+  local ref, rem, exp, kind, created, tokens, flags = string.match(
+    line, '^(%S+) (%d+) (%d+) (%a+) (%d+) (%d+) ?(%a*)$')
   if ref then
     local g = {ref = ref, remaining = tonumber(rem), expires = tonumber(exp), kind = kind,
-               created = tonumber(created), tokens = tonumber(tokens), flags = ''}
-    local old = kept[ref]
-    if old and old.remaining == g.remaining and old.tokens == g.tokens then g.flags = old.flags end
+               created = tonumber(created), tokens = tonumber(tokens), flags = flags}
     fields[#fields + 1] = 'g:' .. ref
     fields[#fields + 1] = G.more().grant_value(g)
   end

@@ -26,17 +26,26 @@ ARGV[4]  now_ms      caller's clock, ms since the epoch (clamped to meta's clk):
                      expired at it (now >= expiry) gets nothing back
 ARGV[5]  low         credit "low" threshold, percent of a grant's tokens
 ARGV[6]  low_margin  percentage points above `low` that re-arm a grant's credit reports
+ARGV[7]  credit      "<ref>=<n> ..." the credit this lowering gives back, as the record of
+                     truth decided it ('' = none; '*' = the drawn part taken off the charge,
+                     for a draw that was never recorded there): one recorded gets what
+                     DynamoDB returned
+ARGV[8]  uncross     "<W>=<level> ..." usage-threshold levels to restore (a charge undone
+                     at once, whose crossings were never reported): each window of W ms
+                     keeps at most that level ('' = none)
 Lowering a charge by delta lowers its drawn part first: back = min(delta, drawn), taken
-from its draws in reverse draw order. Each part goes back to its grant when that grant is
-still in ent, not expired, and the draw was made under ent's current epoch (after a reload
-DynamoDB's consumption is the truth); otherwise that credit is gone. Windows still counting
-the event: t -= delta, d -= back. The dr record keeps the draws not given back.
+from its draws in reverse draw order; the dr record keeps the draws not given back, and
+windows still counting the event get t -= delta, d -= back. The credit of ARGV[7] goes back
+to the copy's grants only when the draw was made under ent's current epoch (the copy is the
+one the draw came from) and each grant is still there and not expired; otherwise the copy
+gets none of it and `stale` is 1: the caller drops the copy, which reloads what DynamoDB
+holds.
 
 Returns 1 when the charge was lowered or removed, 0 when there was none to lower (unknown,
 expired or already refunded id, another call's charge, or new_cost >= the recorded cost).
 Run twice, the second run finds the charge gone or already at new_cost and returns 0.
-Entitlements on: {changed (1/0), ent epoch (0 = not loaded), {returned: ref, n, ...}}; a
-second run returns nothing.
+Entitlements on: {changed (1/0), ent epoch (0 = not loaded), {returned: ref, n, ...},
+stale (1/0)}; a second run returns nothing and stale 0.
 Keys keep the expiry set by the last reservation: this script only removes or lowers data.
 ]]
 local log_key = KEYS[1]
@@ -51,14 +60,16 @@ local nonce = ARGV[3]
 local now_arg = tonumber(ARGV[4] or '0')
 local low = tonumber(ARGV[5] or '0')
 local low_margin = tonumber(ARGV[6] or '0')
+local credit_arg = ARGV[7] or ''
+local uncross_arg = ARGV[8] or ''
 
 --#include _budget_meta.lua  (meta's one-field layout)
 local entitled = dr_key ~= nil
 --#include _budget_grants.lua  (entitlements and draws)
 
-local function done(changed, epoch, returned)
+local function done(changed, epoch, returned, stale)
   if not dr_key then return changed end
-  return {changed, epoch or 0, returned or {}}
+  return {changed, epoch or 0, returned or {}, stale or 0}
 end
 
 local score = redis.call('ZSCORE', log_key, request_id)
@@ -81,44 +92,64 @@ if longest and score <= m.windows[longest].lo then return done(0) end
 local delta = old_cost - new_cost
 
 -- the drawn part first: back = min(delta, drawn), in reverse draw order
-local back, returned, epoch = 0, {}, 0
+local back, returned, epoch, stale = 0, {}, 0, 0
 if dr_key then
   local draw_epoch, list = G.more().parse_draws(redis.call('HGET', dr_key, request_id))
-  if #list > 0 then
-    local now = math.max(now_arg, m.clk)
+  local credit = {}
+  for ref, n in string.gmatch(credit_arg, '(%S+)=(%d+)') do credit[#credit + 1] = {ref, tonumber(n)} end
+  if #list > 0 or #credit > 0 or credit_arg == '*' then
     local ent = G.load_ent(ent_key)
     epoch = ent.epoch or 0
-    local grants = {}
-    for _, g in ipairs(G.more().grants_of(ent)) do grants[g.ref] = g end
-    local left, fields = delta, {}
+    local left, taken = delta, {}
     for k = #list, 1, -1 do
       if left == 0 then break end
       local d = list[k]
       local n = math.min(left, d[2])
       left, back = left - n, back + n
       d[2] = d[2] - n
-      local g = grants[d[1]]
-      if g and draw_epoch == ent.epoch and G.more().is_live(g, now) then
-        g.remaining = math.min(g.tokens, g.remaining + n)
-        if g.remaining * 100 > (low + low_margin) * g.tokens then g.flags = '' end
-        returned[#returned + 1] = d[1]
-        returned[#returned + 1] = n
-        fields[#fields + 1] = 'g:' .. g.ref
-        fields[#fields + 1] = G.more().grant_value(g)
+      if n > 0 then taken[#taken + 1] = {d[1], n} end
+    end
+    if credit_arg == '*' then credit = taken end
+    if #credit > 0 then
+      if draw_epoch == nil or draw_epoch ~= ent.epoch then
+        stale = 1  -- not the copy the draw came from: it gets nothing, and is dropped
+      else
+        local now = math.max(now_arg, m.clk)
+        local grants, fields = {}, {}
+        for _, g in ipairs(G.more().grants_of(ent)) do grants[g.ref] = g end
+        for _, c in ipairs(credit) do
+          local g = grants[c[1]]
+          if g and G.more().is_live(g, now) then
+            g.remaining = math.min(g.tokens, g.remaining + c[2])
+            if g.remaining * 100 > (low + low_margin) * g.tokens then g.flags = '' end
+            returned[#returned + 1] = c[1]
+            returned[#returned + 1] = c[2]
+            fields[#fields + 1] = 'g:' .. g.ref
+            fields[#fields + 1] = G.more().grant_value(g)
+          else
+            stale = 1
+          end
+        end
+        if #fields > 0 then redis.call('HSET', ent_key, unpack(fields)) end
       end
     end
-    if #fields > 0 then redis.call('HSET', ent_key, unpack(fields)) end
-    local kept = {}
-    for _, d in ipairs(list) do
-      if d[2] > 0 then kept[#kept + 1] = d end
-    end
-    if #kept == 0 or new_cost == 0 then
-      redis.call('HDEL', dr_key, request_id)
-    else
-      redis.call('HSET', dr_key, request_id, G.more().encode_draws(draw_epoch, kept))
+    if #list > 0 then
+      local kept = {}
+      for _, d in ipairs(list) do
+        if d[2] > 0 then kept[#kept + 1] = d end
+      end
+      if #kept == 0 or new_cost == 0 then
+        redis.call('HDEL', dr_key, request_id)
+      else
+        redis.call('HSET', dr_key, request_id, G.more().encode_draws(draw_epoch, kept))
+      end
     end
   end
 end
+
+-- usage-threshold levels set by this very charge, restored when it is undone at once
+local restore = {}
+for w, level in string.gmatch(uncross_arg, '(%d+)=(%d+)') do restore[tonumber(w)] = tonumber(level) end
 
 for _, w in ipairs(m.ws) do
   local s = m.windows[w]
@@ -129,6 +160,7 @@ for _, w in ipairs(m.ws) do
   end
   -- the window's oldest event leaves the log: the next call looks its successor up
   if new_cost == 0 and s.first == score then s.first = nil end
+  if restore[w] and s.level > restore[w] then s.level = restore[w] end
 end
 if not m.fresh then redis.call('HSET', meta_key, FIELD, encode_meta(m)) end
 
@@ -138,4 +170,4 @@ if new_cost == 0 then
 else
   redis.call('HSET', ev_key, request_id, string.format('%d', new_cost) .. rest)
 end
-return done(1, epoch, returned)
+return done(1, epoch, returned, stale)

@@ -6,9 +6,11 @@ reply, or one that redis-py re-sends, finds nothing to remove once another call 
 client's retry served by another environment) has charged the same request id.
 
 With entitlements on, a charge may have drawn credit from the user's grants. Lowering it
-gives that credit back in Redis first (the ledger's ``lower``), then in DynamoDB through
-``EntitlementCache.give_back``; a draw that was never recorded there gets its credit
-back by a reload of the user's copy instead.
+goes through ``EntitlementCache.lower``: a draw recorded in DynamoDB (or possibly
+recorded) gets its credit back there first, conditioned on the charge's own record, and the
+ledger's copy then gets exactly that; a draw never recorded gets its credit back in the
+copy alone. When DynamoDB cannot be reached the ledger's part is done now and the
+lowering is kept (``refunds.keep``) to finish in DynamoDB later.
 """
 
 from __future__ import annotations
@@ -16,11 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..exceptions import LimiterUnavailable
 from . import observability as obs
 
 if TYPE_CHECKING:
-    from ..budget import Reservation, TokenBudget
-    from ..entitlements.cache import EntitlementCache
+    from ..budget import Crossing, Reservation, TokenBudget
+    from ..entitlements.cache import CreditState, EntitlementCache
+
+
+class CreditPending(LimiterUnavailable):
+    """The ledger lowered the charge, but the record of truth could not be reached to give
+    its credit back: the lowering is kept and finished later (calling again is safe)."""
 
 
 @dataclass
@@ -36,7 +44,11 @@ class Charge:
             answered the reservation).
         entitlements: the entitlements cache when the request path applies grants (None:
             no credit can have been drawn, and lowering is the ledger's alone).
-        recorded: the charge's draws from grants are recorded in DynamoDB.
+        credit: where the charge's draw stands in the record of truth (``CreditState``);
+            None: decided from the reservation (nothing drawn: ``none``; no answer from
+            the ledger: ``drawn``; a draw not yet recorded: ``undone``).
+        uncross: usage-threshold crossings the charge made and that were never reported;
+            undone with its refund.
     """
 
     budget: TokenBudget = field(repr=False)
@@ -46,32 +58,63 @@ class Charge:
     nonce: str = field(repr=False)
     reservation: Reservation | None = field(default=None, repr=False)
     entitlements: EntitlementCache | None = field(default=None, repr=False)
-    recorded: bool = False
+    credit: CreditState | None = None
+    uncross: tuple[Crossing, ...] = field(default=(), repr=False)
 
-    async def _lower(self, new_cost: int) -> bool:
-        """Lower the charge to ``new_cost`` and give back the credit that frees."""
+    def credit_state(self) -> CreditState:
+        """Where the charge's credit stands in the record of truth."""
+        if self.credit is not None:
+            return self.credit
+        if self.reservation is None:
+            return "drawn"
+        return "undone" if self.reservation.drawn > 0 else "none"
+
+    async def lower_to(self, new_cost: int) -> bool:
+        """Lower the charge to ``new_cost`` and give back the credit that frees.
+
+        Returns:
+            True when the ledger lowered it now (False: at or below already, or gone).
+
+        Raises:
+            CreditPending: the ledger's part is done; the record of truth's is not (keep
+                the lowering and call again).
+            LimiterUnavailable: Redis could not be reached or did not answer in time.
+        """
         if self.entitlements is None:
             if new_cost == 0:
                 return await self.budget.refund(self.user_id, self.request_id,
-                                                nonce=self.nonce)
+                                                nonce=self.nonce, uncross=self.uncross)
             return await self.budget.settle(self.user_id, self.request_id,
                                             actual_cost=new_cost, nonce=self.nonce)
-        lowered = await self.budget.lower(self.user_id, self.request_id, new_cost,
-                                          nonce=self.nonce)
-        await self.entitlements.give_back(self.budget, self.user_id, self.request_id,
-                                          self.nonce, new_cost, lowered,
-                                          recorded=self.recorded)
-        return lowered.changed
+        done = await self.entitlements.lower(self.budget, self.user_id, self.request_id,
+                                             self.nonce, new_cost, state=self.credit_state(),
+                                             uncross=self.uncross if new_cost == 0 else ())
+        if new_cost == 0:
+            self.uncross = ()
+        if not done.settled:
+            raise CreditPending("the charge's credit could not be returned in the record of "
+                                "truth yet; kept")
+        return done.lowered.changed
 
     async def settle(self, actual_cost: int) -> None:
         """Lower the charge to ``actual_cost`` (never raises it).
+
+        When only the record of truth could not be reached, the ledger's part is done and
+        the rest is kept to finish later: the request goes on.
 
         Raises:
             InvalidArgument: ``actual_cost`` is not an integer >= 0.
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
         if actual_cost < self.cost:
-            await self._lower(actual_cost)
+            try:
+                await self.lower_to(actual_cost)
+            except CreditPending:
+                from . import refunds
+                from .settings import settings
+
+                obs.logger().warning("a settle's credit is kept to return later")
+                refunds.keep(self, settings().plans.longest_s, target=actual_cost)
             obs.count(obs.TOKENS_SETTLED, self.cost - actual_cost)
             self.cost = actual_cost
 
@@ -83,8 +126,10 @@ class Charge:
             made, or the id is now another call's charge).
 
         Raises:
+            CreditPending: the ledger gave the tokens back; the record of truth has yet to
+                give the credit back (keep the refund and call again).
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
-        refunded = await self._lower(0)
+        refunded = await self.lower_to(0)
         self.cost = 0
         return bool(refunded)

@@ -39,7 +39,7 @@ from ..entitlements.plans import Plan
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
 from . import events, identity, refunds, runtime
 from . import observability as obs
-from .charge import Charge
+from .charge import Charge, CreditPending
 from .costs import Cost, price
 from .errors import (
     AccountSuspended,
@@ -292,7 +292,7 @@ class TokenGuard:
                 "use a new key for a new request")
         charge.cost, charge.nonce, charge.reservation = cost, nonce, reservation
         if ent is not None and reservation.drawn > 0:
-            await _record_draw(state, charge, ent, reservation)
+            await _record_draw(state, charge, ent, reservation, route)
         state.charge = charge
         obs.count(obs.TOKENS_RESERVED, cost)
         if reservation.crossings:  # published alongside the request, within a short bound
@@ -379,29 +379,42 @@ def _check_entitlements(reservation: Reservation) -> None:
 
 
 async def _record_draw(state: RequestState, charge: Charge, ent: EntitlementCache,
-                       reservation: Reservation) -> None:
+                       reservation: Reservation, route: str) -> None:
     """Record the charge's draws from grants in DynamoDB before the route runs.
 
     Raises:
         LimiterUnavailableError: they could not be recorded; the charge is refunded (or
-            kept to be refunded) and no provider is called.
+            kept to be refunded) and no provider is called. The answer says nothing was
+            charged only when that is known.
     """
-    if await ent.commit_draw(charge.user_id, charge.request_id, charge.nonce, reservation):
-        charge.recorded = True
+    outcome = await ent.commit_draw(charge.budget, charge.user_id, charge.request_id,
+                                    charge.nonce, reservation, route=route)
+    charge.credit = outcome
+    if outcome == "recorded":
         obs.count(obs.CREDIT_DRAWN, reservation.drawn)
         if reservation.credit_crossings:
             events.publish_soon(events.credit_events(charge.user_id, state.plan_name,
                                                      reservation.credit_crossings))
         return
     state.reservation = None  # no RateLimit fields claiming a charge that is undone
+    charge.uncross = reservation.crossings  # never reported: the next crossing reports them
+    known = outcome == "undone"
     try:
         await charge.refund()
+    except CreditPending:  # the ledger's part is done; DynamoDB's is kept
+        obs.logger().warning("refund of a draw whose record is unknown; kept")
+        charge.cost = reservation.cost
+        refunds.keep(charge, settings().plans.longest_s)
+        known = False
     except Exception:  # Redis failed too: refund before this environment's next request
         obs.logger().exception("refund of an unrecorded draw failed; kept")
         charge.cost = reservation.cost
         refunds.keep(charge, settings().plans.longest_s)
-    raise LimiterUnavailableError("the usage limiter is unavailable; nothing was charged",
-                                  headers=retry_after_header(1))
+        known = False
+    message = ("the usage limiter is unavailable; nothing was charged" if known else
+               "the usage limiter is unavailable; this request may have been charged, and "
+               "the tokens will be refunded")
+    raise LimiterUnavailableError(message, headers=retry_after_header(1))
 
 
 def _seconds(value: float) -> float | int:

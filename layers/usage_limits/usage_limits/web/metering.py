@@ -225,21 +225,25 @@ async def claim_key(state: RequestState) -> Response | None:
     if replay is None:
         state.claimed = record
         return None
-    await _read_windows(state)
+    await _read_windows(state, replay=True)
     return Response(replay.body, status_code=replay.status,
                     headers={**dict(replay.headers), idem.REPLAY_HEADER: "true"})
 
 
-async def _read_windows(state: RequestState) -> None:
+async def _read_windows(state: RequestState, *, replay: bool = False) -> None:
     """Read the user's windows for the RateLimit headers of an answer that reserved nothing.
 
     The answer goes out without those headers when Redis fails now (it answered the key's
     claim a moment ago): the stored answer or the conflict matters more than the headers.
     With entitlements on, a suspended account gets its 403 here too: a replay is a
-    metered request, and it is refused like any other.
+    metered request, and it is refused like any other. So a replay is never sent when the
+    user's entitlements cannot be read (their copy is not loaded and DynamoDB fails): that
+    user may be suspended.
 
     Raises:
         AccountSuspended: the account is suspended.
+        LimiterUnavailableError: a replay, with entitlements on, whose user's entitlements
+            could not be read.
     """
     charge = state.pending
     if charge is None:
@@ -250,8 +254,12 @@ async def _read_windows(state: RequestState) -> None:
         else:
             usage = await charge.entitlements.usage(charge.budget, charge.user_id, events=0,
                                                     plan_name=state.plan_name)
-    except Exception:
+    except Exception as exc:
         obs.logger().warning("could not read the usage for the RateLimit headers")
+        if replay and charge.entitlements is not None:
+            raise LimiterUnavailableError(
+                "the usage limiter is unavailable; nothing was charged",
+                headers=retry_after_header(1)) from exc
         return
     state.windows = usage.windows
     until = usage.suspended_until_ms

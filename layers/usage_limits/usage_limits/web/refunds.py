@@ -41,15 +41,18 @@ class _Pending:
     cost: int
     failed_at: float
     keep_until: float
+    #: the cost to lower the charge to: 0 for a refund, the actual cost for a settle
+    target: int = 0
 
 
 _pending: list[_Pending] = []
 
 
-def keep(charge: Charge, longest_window_s: float) -> None:
-    """Remember a refund that failed, to be tried again before the next request."""
+def keep(charge: Charge, longest_window_s: float, *, target: int = 0) -> None:
+    """Remember a refund (or a settle to ``target``) that failed, to be tried again before
+    the next request."""
     now = time.monotonic()
-    _pending.append(_Pending(charge, charge.cost, now, now + longest_window_s))
+    _pending.append(_Pending(charge, charge.cost, now, now + longest_window_s, target))
     obs.count(obs.REFUNDS_KEPT)
     if len(_pending) > MAX_PENDING:
         dropped = _pending.pop(0)
@@ -90,7 +93,7 @@ async def retry(budget_s: float = RETRY_BUDGET_S) -> int:
             continue
         try:
             async with asyncio.timeout(left):
-                removed = await item.charge.refund()
+                removed = await item.charge.lower_to(item.target)
         except Exception:  # Redis still unavailable or too slow (TimeoutError): keep it
             obs.logger().warning("pending refund failed again; kept", extra={
                 "request_id": item.charge.request_id})

@@ -395,8 +395,9 @@ def test_llm_429_pauses_every_instance_and_is_retried(handler: Any, env: Emulato
     stats = env.family_stats("llm")
     assert stats["arrivals"] == 2 and stats["status_counts"] == {"200": 1, "429": 1}
     client = redis.Redis.from_url(redis_server.url)
+    [state] = provider_keys(f"llm|{DEFAULT_MODEL}", "gcra")
     try:
-        pause_until = float(client.hget(provider_keys(f"llm|{DEFAULT_MODEL}", "gcra")[0], "pause") or 0) / 1000
+        pause_until = float(client.hget(state, "pause") or 0) / 1000
     finally:
         client.close()
     first, second = stats["arrival_times"]

@@ -255,3 +255,17 @@ def test_embeddings_429_does_not_pause_chat(lambda_env: StartEnvironment,
         assert client.hget(chat, "pause") is None
     finally:
         client.close()
+
+
+async def test_throttle_by_provider_shares_one_throttle(standalone_client: Any,
+                                                         uid: str) -> None:
+    """LLM_THROTTLE_BY=provider: every model takes the llm throttle; a bad value is refused."""
+    from usage_limits.exceptions import InvalidArgument
+
+    client = LLMClient(env={"LLM_THROTTLE_BY": "provider", "LLM_MODEL": f"m{uid}"},
+                       redis=standalone_client)
+    assert client.throttle_for(client._throttle_key(f"m{uid}")).provider == "llm"
+    per_model = LLMClient(env={"LLM_MODEL": f"m{uid}"}, redis=standalone_client)
+    assert per_model.throttle_for(per_model._throttle_key(f"m{uid}")).provider == f"llm|m{uid}"
+    with pytest.raises(InvalidArgument, match="LLM_THROTTLE_BY"):
+        LLMClient(env={"LLM_THROTTLE_BY": "route"})

@@ -329,7 +329,8 @@ class ProviderClient:
             if response.status_code == 429:
                 obs.provider_count(self.name, obs.UPSTREAM_429)
                 wait = throttle.bounded_pause_s(retry_after_s(response))
-                log.warning("%s answered 429; pausing every instance for %.2fs", self.name, wait)
+                log.warning("%s answered 429; pausing %s for every instance for %.2fs",
+                            self.name, throttle.provider, wait)
                 await throttle.pause(wait)
                 if wait >= remaining_s() - MIN_CALL_S:
                     raise ProviderBusy(self.name, wait)

@@ -130,6 +130,9 @@ class StructuredOut(BaseModel):
     data: Any = Field(description="An instance valid for the requested schema.")
     model: str
     usage: Usage
+    strict: bool = Field(description="Whether the provider was asked in strict mode, which "
+                                     "guarantees the schema; the answer is validated either "
+                                     "way.")
 
 
 @app.post("/v1/structured", dependencies=[Depends(require_tokens(cost=COST))],
@@ -139,7 +142,8 @@ async def structured(body: StructuredIn) -> StructuredOut:
     result = await llm_client().structured(body.prompt, body.json_schema, model=body.model)
     return StructuredOut(data=result.data, model=result.model,
                          usage=Usage(prompt_tokens=result.prompt_tokens,
-                                     completion_tokens=result.completion_tokens))
+                                     completion_tokens=result.completion_tokens),
+                         strict=result.strict)
 
 
 handler = lambda_handler(app)

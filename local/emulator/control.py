@@ -13,7 +13,7 @@
      "rate": "5/s", "latency_ms": 50, # knobs for those families (see FamilyConfig)
      "families": {"search": {"failure_rate": 0.5}},   # knobs per family
      "seed": 7,                       # reseeds failure and jitter RNGs
-     "fail_next": {"count": 2, "status": 503, "retry_after_s": 3},
+     "fail_next": {"count": 2, "status": 503, "retry_after_s": 3},   # or {"kind": "quota"}
      "spike_next": {"count": 1, "latency_ms": 2000}}
 """
 

@@ -27,7 +27,9 @@ class ApiFault(Exception):
         kind: what went wrong: ``auth``, ``invalid``, ``rate``, ``tokens``,
             ``too_large``, ``forced``, ``random``, ``not_found``, ``server``.
         retry_after_s: exact seconds for ``Retry-After`` (rounded up on the wire).
-        details: extra fields (``param``, ``code`` for OpenAI; ``exception`` for Adzuna).
+        details: extra fields (``param``, ``code``, ``type`` for OpenAI; ``exception`` for
+            Adzuna).
+        headers: extra response headers (``x-should-retry``, ``retry-after-ms``).
     """
 
     status: int
@@ -35,6 +37,59 @@ class ApiFault(Exception):
     kind: str = "invalid"
     retry_after_s: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+#: Failures ``fail_next`` can send by name (``{"kind": ...}``), with their status. Those of
+#: status 200 are answers the handler shapes (see ``local.emulator.llm``).
+FAILURE_KINDS = {
+    "quota": 429,            # OpenAI insufficient_quota: no Retry-After, x-should-retry: false
+    "retry_after_ms": 429,   # a rate limit that says how long only in retry-after-ms
+    "invalid_key": 401,      # OpenAI invalid_api_key
+    "model_not_found": 404,  # OpenAI model_not_found
+    "schema_rejected": 400,  # OpenAI invalid_json_schema
+    "plan_limit": 432,       # Tavily: the plan's credits are spent
+    "paygo_limit": 433,      # Tavily: the pay-as-you-go limit is reached
+    "refusal": 200,          # a chat answer whose message is a refusal
+    "length": 200,           # a chat answer cut at the output limit (finish_reason length)
+    "content_filter": 200,   # a chat answer stopped by the content filter
+    "nonconforming": 200,    # a chat answer that does not match the requested schema
+}
+ANSWER_KINDS = frozenset(k for k, status in FAILURE_KINDS.items() if status == 200)
+
+
+def forced_fault(kind: str, retry_after_s: float | None, message: str = "") -> ApiFault:
+    """The error answer of a named failure (``FAILURE_KINDS``, status not 200)."""
+    status = FAILURE_KINDS[kind]
+    if kind == "quota":
+        return ApiFault(status, message or "You exceeded your current quota, please check "
+                        "your plan and billing details. For more information on this error, "
+                        "read the docs: https://platform.openai.com/docs/guides/error-codes/"
+                        "api-errors.", kind="forced",
+                        details={"code": "insufficient_quota", "type": "insufficient_quota"},
+                        headers={"x-should-retry": "false"})
+    if kind == "retry_after_ms":
+        wait_ms = max(1, math.ceil((0.1 if retry_after_s is None else retry_after_s) * 1000))
+        return ApiFault(status, message or f"Rate limit reached. Please try again in "
+                        f"{wait_ms}ms.", kind="rate",
+                        details={"code": "rate_limit_exceeded", "type": "requests"},
+                        headers={"retry-after-ms": str(wait_ms)})
+    if kind == "invalid_key":
+        return ApiFault(status, message or "Incorrect API key provided: sk-emu***********0000. "
+                        "You can find your API key at https://platform.openai.com/account/"
+                        "api-keys.", kind="auth", details={"code": "invalid_api_key"})
+    if kind == "model_not_found":
+        return ApiFault(status, message or "The model does not exist or you do not have "
+                        "access to it.", kind="not_found", details={"code": "model_not_found"})
+    if kind == "schema_rejected":
+        return ApiFault(status, message or "Invalid schema for response_format 'result': "
+                        "schema rejected by the emulator on request.", kind="invalid",
+                        details={"code": "invalid_json_schema", "param": "response_format"})
+    text = ("This request exceeds your plan's set usage limit. Please upgrade your plan or "
+            "contact support@tavily.com" if kind == "plan_limit" else
+            "This request exceeds the pay-as-you-go limit. You can increase your limit on "
+            "the Tavily dashboard.")
+    return ApiFault(status, message or text, kind="forced")
 
 
 def retry_after_headers(dialect: str, retry_after_s: float | None) -> dict[str, str]:
@@ -49,11 +104,12 @@ def retry_after_headers(dialect: str, retry_after_s: float | None) -> dict[str, 
 
 def render(dialect: str, fault: ApiFault, *, model: str = "") -> Response:
     """The fault as the dialect's error response."""
-    headers = retry_after_headers(dialect, fault.retry_after_s)
+    headers = {**retry_after_headers(dialect, fault.retry_after_s), **fault.headers}
     reason = _reason(fault.status)
     message = fault.message or _default_message(dialect, fault, model)
     if dialect == "openai":
-        body: Any = {"error": {"message": message, "type": _openai_type(fault),
+        body: Any = {"error": {"message": message,
+                               "type": fault.details.get("type", _openai_type(fault)),
                                "param": fault.details.get("param"),
                                "code": fault.details.get("code", _openai_code(fault))}}
     elif dialect == "adzuna":
@@ -132,6 +188,8 @@ def _openai_type(fault: ApiFault) -> str:
 
 
 def _openai_code(fault: ApiFault) -> str | None:
+    if fault.kind == "not_found":
+        return "model_not_found"
     if fault.status == 429:
         return "rate_limit_exceeded"
     if fault.kind == "auth":

@@ -16,7 +16,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .dialects import ApiFault, brave_rate_headers, json_body, openai_rate_headers, render
+from .dialects import (
+    ANSWER_KINDS,
+    ApiFault,
+    brave_rate_headers,
+    forced_fault,
+    json_body,
+    openai_rate_headers,
+    render,
+)
 from .state import EmulatorState
 
 log = logging.getLogger("local.emulator")
@@ -93,7 +101,12 @@ async def _answer(request: Request, fam: Any, dialect: str, handler: Handler,
             except ApiFault:
                 weight = 0  # the handler reports the malformed body
         decision = fam.decide(weight)
-        if decision.outcome != "ok":
+        if decision.kind in ANSWER_KINDS:
+            request.state.forced_kind = decision.kind  # the handler shapes this answer
+        elif decision.kind:
+            fault = forced_fault(decision.kind, decision.retry_after_s, decision.message)
+            return render(dialect, fault), decision.delay_s
+        elif decision.outcome != "ok":
             if dialect == "openai":
                 model = await _model_of(request)
             details = {} if decision.rate is None else {

@@ -10,7 +10,13 @@ required) and rejected with OpenAI's 400 otherwise. Forced tool calls (``tools``
 
 ``POST /v1/embeddings`` answers unit vectors built by feature hashing of the words, so
 texts that share words are close; ``dimensions`` truncates and renormalises the same
-vector, like the ``text-embedding-3`` models.
+vector, like the ``text-embedding-3`` models. Vectors have the model's own length unless
+``dimensions`` is given: 3072 for ``text-embedding-3-large``, else 1536.
+
+As the real API does, a chat answer names the dated snapshot of an alias it was asked for
+(``gpt-4o-mini`` answers ``gpt-4o-mini-2024-07-18``); an embeddings answer names the model
+as asked. ``fail_next`` kinds ``refusal``, ``length``, ``content_filter`` and
+``nonconforming`` shape the next chat answer (a 200) instead of its content.
 """
 
 from __future__ import annotations
@@ -34,8 +40,15 @@ from .schema_instances import generate_instance
 from .state import EmulatorState
 from .text import digest, estimate_tokens, keywords, rng_for, stable_int
 
-DEFAULT_DIMENSIONS = 256
+DEFAULT_DIMENSIONS = 1536
+#: Vector length of the models whose own is not ``DEFAULT_DIMENSIONS``.
+MODEL_DIMENSIONS = {"text-embedding-3-large": 3072}
 MAX_DIMENSIONS = 3072
+#: The snapshot each chat alias answers with (OpenAI's model list).
+SNAPSHOTS = {"gpt-4o-mini": "gpt-4o-mini-2024-07-18", "gpt-4o": "gpt-4o-2024-08-06",
+             "gpt-4.1": "gpt-4.1-2025-04-14", "gpt-4.1-mini": "gpt-4.1-mini-2025-04-14",
+             "gpt-4.1-nano": "gpt-4.1-nano-2025-04-14"}
+REFUSAL = "I'm sorry, but I can't help with that request."
 MAX_INPUTS = 2048
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -102,6 +115,7 @@ async def chat_completions(request: Request) -> Response:
     seed = digest(model, json.dumps(messages, sort_keys=True, default=str),
                   json.dumps(fmt, sort_keys=True, default=str))
     tool = _forced_tool(body, messages)
+    forced = getattr(request.state, "forced_kind", "")
 
     choices = []
     completion_tokens = 0
@@ -120,9 +134,18 @@ async def chat_completions(request: Request) -> Response:
             finish = "tool_calls"
         else:
             content = _content(fmt, schema, user_text, model, (seed, index))
+            if forced == "nonconforming":
+                content = _nonconforming(schema)
             tokens = estimate_tokens(content)
             if limit is not None and tokens > limit:
                 content, tokens, finish = content[:limit * 4], limit, "length"
+            if forced == "length":
+                content, tokens, finish = content[:max(1, len(content) // 2)], tokens, "length"
+            elif forced == "content_filter":
+                content, finish = None, "content_filter"
+            elif forced == "refusal":
+                content, tokens = None, estimate_tokens(REFUSAL)
+                message["refusal"] = REFUSAL
             message["content"] = content
         completion_tokens += tokens
         choices.append({"index": index, "message": message, "logprobs": None,
@@ -136,7 +159,7 @@ async def chat_completions(request: Request) -> Response:
         "id": f"chatcmpl-{digest(seed, emu.next_id()).hex()[:29]}",
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": model,
+        "model": SNAPSHOTS.get(model, model),
         "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens,
@@ -322,6 +345,13 @@ def _content(fmt: Any, schema: Any, user_text: str, model: str, seed: object) ->
             f"It is deterministic (variant {stable_int(seed) % 1000}).")
 
 
+def _nonconforming(schema: Any) -> str:
+    """JSON of a type the schema's root does not allow (anything fits a schema with none)."""
+    root = schema.get("type") if isinstance(schema, dict) else None
+    return "[]" if root == "object" or (isinstance(root, list) and "object" in root
+                                        and "array" not in root) else '{"unexpected": true}'
+
+
 def _stream(completion: dict[str, Any], include_usage: bool):  # type: ignore[no-untyped-def]
     base = {k: completion[k] for k in ("id", "created", "model", "system_fingerprint")}
     base["object"] = "chat.completion.chunk"
@@ -360,7 +390,7 @@ async def embeddings(request: Request) -> Response:
     if not isinstance(model, str) or not model:
         raise ApiFault(400, "you must provide a model parameter", details={"param": "model"})
     texts = _inputs(body.get("input"))
-    dims = body.get("dimensions", DEFAULT_DIMENSIONS)
+    dims = body.get("dimensions", MODEL_DIMENSIONS.get(model, DEFAULT_DIMENSIONS))
     if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= MAX_DIMENSIONS:
         raise ApiFault(400, f"Invalid value for 'dimensions': {dims!r}. It must be an integer "
                             f"between 1 and {MAX_DIMENSIONS}.", details={"param": "dimensions"})

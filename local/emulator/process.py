@@ -112,10 +112,14 @@ class _Control:
         return self._call("POST", "config", json=body)
 
     def fail_next(self, count: int = 1, status: int = 500, *, family: str | None = None,
-                  retry_after_s: float | None = None) -> dict[str, Any]:
+                  retry_after_s: float | None = None,
+                  kind: str | None = None) -> dict[str, Any]:
         """The next ``count`` requests of ``family`` (each family if ``None``) fail with
-        ``status`` (429 gets ``Retry-After: retry_after_s``, 1 s by default)."""
+        ``status`` (429 gets ``Retry-After: retry_after_s``, 1 s by default), or with the
+        named failure ``kind`` (``dialects.FAILURE_KINDS``: ``quota``, ``refusal``, ...)."""
         spec: dict[str, Any] = {"count": count, "status": status}
+        if kind is not None:
+            spec = {"count": count, "kind": kind}
         if retry_after_s is not None:
             spec["retry_after_s"] = retry_after_s
         return self.configure(family, fail_next=spec)

@@ -105,11 +105,12 @@ def advert_count(country: str, what: str, where: str) -> int:
 
 
 async def histogram(request: Request) -> Response:
-    """``GET .../histogram``: ``{"histogram": {"20000": n, ...}}``."""
+    """``GET .../histogram``: ``{"histogram": {"20000": "n", ...}}``, counts as strings, as
+    Adzuna's documented example writes them (developer.adzuna.com/docs/histogram)."""
     country = _country(request)
     what, where = _query(request)
     total = advert_count(country, what, where)
-    hist: dict[str, int] = {}
+    hist: dict[str, str] = {}
     if total:
         mean = mean_salary(country, what, where)
         width = 10000 * max(1, round(COUNTRIES[country][1]))
@@ -125,7 +126,7 @@ async def histogram(request: Request) -> Response:
         for start, w in weights.items():
             count = int(round(total * w / scale))
             if count:
-                hist[str(start)] = count
+                hist[str(start)] = str(count)
     return JSONResponse({"__CLASS__": "Adzuna::API::Response::SalaryHistogram",
                          "histogram": hist})
 

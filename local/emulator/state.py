@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import FAMILIES, ConfigError, EmulatorConfig, FamilyConfig, Rate
+from .dialects import FAILURE_KINDS
 
 #: Arrival timestamps kept per family for the stats (the 1 s maximum is exact anyway).
 MAX_TIMES = 200_000
@@ -71,6 +72,7 @@ class Decision:
         status: the HTTP status when not ``ok``.
         retry_after_s: exact seconds for Retry-After, or ``None``.
         delay_s: latency to add before answering.
+        kind: the named failure of a forced outcome (``dialects.FAILURE_KINDS``), or "".
     """
 
     outcome: str
@@ -79,6 +81,7 @@ class Decision:
     delay_s: float = 0.0
     message: str = ""
     rate: Rate | None = None
+    kind: str = ""
 
 
 class FamilyState:
@@ -151,7 +154,7 @@ class FamilyState:
                 self.fail_next.popleft()
             self.injected += 1
             return Decision("forced", forced["status"], forced.get("retry_after_s"), delay,
-                            forced.get("message", ""))
+                            forced.get("message", ""), kind=forced.get("kind", ""))
         now = time.monotonic()
         if cfg.rate is not None:
             wait = self.requests.wait_s(now, cfg.rate)
@@ -277,12 +280,21 @@ class EmulatorState:
             if count < 1:
                 raise ConfigError(f"{kind}.count must be >= 1")
             if kind == "fail_next":
-                status = int(spec.get("status", 500))
-                if not 400 <= status <= 599:
+                failure = spec.get("kind")
+                if failure is not None and failure not in FAILURE_KINDS:
+                    raise ConfigError(f"fail_next.kind {failure!r}; known: "
+                                      f"{', '.join(FAILURE_KINDS)}")
+                status = int(spec.get("status", FAILURE_KINDS.get(failure, 500)))
+                if failure is not None and status != FAILURE_KINDS[failure]:
+                    raise ConfigError(f"fail_next.kind {failure!r} answers "
+                                      f"{FAILURE_KINDS[failure]}, not {status}")
+                if failure is None and not 400 <= status <= 599:
                     raise ConfigError("fail_next.status must be a 4xx or 5xx status")
                 entry: dict[str, Any] = {"remaining": count, "status": status}
+                if failure is not None:
+                    entry["kind"] = failure
                 retry = spec.get("retry_after_s")
-                if retry is None and status == 429:
+                if retry is None and status == 429 and failure is None:
                     retry = 1
                 if retry is not None:
                     entry["retry_after_s"] = float(retry)

@@ -56,13 +56,13 @@ JOB_SCHEMA = {
 
 
 def test_chat_completion_shape(http: httpx.Client) -> None:
-    """A chat completion has OpenAI's fields, usage arithmetic and JSON content."""
+    """A chat completion has OpenAI's fields, the alias's dated snapshot, usage and JSON."""
     response = chat(http, JOB_SCHEMA)
     assert response.status_code == 200
     data = response.json()
     assert data["object"] == "chat.completion"
     assert data["id"].startswith("chatcmpl-")
-    assert isinstance(data["created"], int) and data["model"] == "gpt-4o-mini"
+    assert isinstance(data["created"], int) and data["model"] == "gpt-4o-mini-2024-07-18"
     choice = data["choices"][0]
     assert choice["index"] == 0 and choice["finish_reason"] == "stop"
     assert choice["message"]["role"] == "assistant"
@@ -176,7 +176,8 @@ def test_openai_auth_required(http: httpx.Client, headers: dict[str, str]) -> No
 
 
 def test_embeddings(http: httpx.Client) -> None:
-    """Embeddings: one unit vector per input, in order, deterministic, dims honoured."""
+    """Embeddings: one unit vector per input, in order, deterministic, the model's length
+    (1536; 3072 for text-embedding-3-large) unless dimensions says otherwise."""
     body = {"model": "text-embedding-3-small", "input": ["alpha beta", "gamma"]}
     first = http.post("/v1/embeddings", json=body, headers=AUTH).json()
     second = http.post("/v1/embeddings", json=body, headers=AUTH).json()
@@ -185,12 +186,15 @@ def test_embeddings(http: httpx.Client) -> None:
     assert all(row["object"] == "embedding" for row in first["data"])
     assert first["data"] == second["data"]
     for row in first["data"]:
-        assert len(row["embedding"]) == 256
+        assert len(row["embedding"]) == 1536
         assert sum(x * x for x in row["embedding"]) == pytest.approx(1.0, abs=1e-6)
     assert first["usage"]["prompt_tokens"] == first["usage"]["total_tokens"] > 0
     small = http.post("/v1/embeddings", headers=AUTH,
                       json={"model": "m", "input": "alpha beta", "dimensions": 64}).json()
     assert len(small["data"][0]["embedding"]) == 64
+    large = http.post("/v1/embeddings", headers=AUTH,
+                      json={"model": "text-embedding-3-large", "input": "alpha"}).json()
+    assert len(large["data"][0]["embedding"]) == 3072
 
 
 def test_embeddings_base64_and_errors(http: httpx.Client) -> None:
@@ -208,13 +212,14 @@ def test_embeddings_base64_and_errors(http: httpx.Client) -> None:
 
 
 def test_adzuna_histogram(http: httpx.Client) -> None:
-    """The histogram maps 10k salary buckets to counts, the same for the same query."""
+    """The histogram maps 10k salary buckets to counts written as strings (as Adzuna's
+    documented example does), the same for the same query."""
     params = {**ADZUNA, "what": "python developer", "where": "London"}
     first = http.get("/adzuna/v1/api/jobs/gb/histogram", params=params)
     assert first.status_code == 200
     hist = first.json()["histogram"]
     assert hist and all(re.fullmatch(r"\d+", k) and int(k) % 10000 == 0 for k in hist)
-    assert all(isinstance(v, int) and v > 0 for v in hist.values())
+    assert all(isinstance(v, str) and v.isdigit() and int(v) > 0 for v in hist.values())
     assert http.get("/adzuna/v1/api/jobs/gb/histogram", params=params).json()["histogram"] == hist
 
 

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 import atto_providers.fetch as fetch
+from atto_providers.llm import DEFAULT_MODEL
 from local.emulator import EmulatorProcess
 from local.emulator.pages import job_posting
 from local.lambda_events import (
@@ -385,7 +386,7 @@ def test_llm_failure_is_502_and_refunded(handler: Any, env: EmulatorProcess) -> 
 
 def test_llm_429_pauses_every_instance_and_is_retried(handler: Any, env: EmulatorProcess,
                                                       redis_server: RedisServer) -> None:
-    """An upstream 429 sets the shared pause; the retry waits for it and succeeds."""
+    """An upstream 429 sets the model's shared pause; the retry waits for it and succeeds."""
     env.fail_next(1, 429, family="llm", retry_after_s=0.3)
     user = user_id()
     res = post(handler, {"text": "Data Engineer at Cobalt Fintech in London, Python and SQL."},
@@ -394,8 +395,9 @@ def test_llm_429_pauses_every_instance_and_is_retried(handler: Any, env: Emulato
     stats = env.family_stats("llm")
     assert stats["arrivals"] == 2 and stats["status_counts"] == {"200": 1, "429": 1}
     client = redis.Redis.from_url(redis_server.url)
+    [state] = provider_keys(f"llm|{DEFAULT_MODEL}", "gcra")
     try:
-        pause_until = float(client.hget(provider_keys("llm", "gcra")[0], "pause") or 0) / 1000
+        pause_until = float(client.hget(state, "pause") or 0) / 1000
     finally:
         client.close()
     first, second = stats["arrival_times"]

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from atto_providers.base import retry_after_s
+from atto_providers.base import duration_s, retry_after_s
 
 
 def answer(value: str | None) -> httpx.Response:
@@ -29,3 +29,30 @@ def test_retry_after_http_date_in_the_future() -> None:
     when = email.utils.formatdate(time.time() + 30, usegmt=True)
     seconds = retry_after_s(answer(when))
     assert seconds is not None and 28 <= seconds <= 30
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({"retry-after-ms": "105"}, 0.105),
+    ({"retry-after-ms": "105", "retry-after": "1"}, 0.105),       # the finer one wins
+    ({"retry-after-ms": "nan", "retry-after": "2"}, 2.0),          # unusable: the next one
+    ({"x-ratelimit-reset-requests": "6m0s"}, 360.0),
+    ({"x-ratelimit-reset-tokens": "105ms"}, 0.105),
+    ({"x-ratelimit-reset-requests": "1h2m3.5s"}, 3723.5),
+    ({"x-ratelimit-reset-requests": "6m0s", "x-ratelimit-reset-tokens": "20ms"}, 0.02),
+    ({"x-ratelimit-reset-requests": "6m0s", "x-ratelimit-reset-tokens": "20ms",
+      "x-ratelimit-remaining-requests": "0", "x-ratelimit-remaining-tokens": "900"}, 360.0),
+    ({"x-ratelimit-reset-requests": "soon"}, None),
+    ({"x-ratelimit-reset-requests": "5 s"}, None)])
+def test_retry_after_ms_and_reset_headers(headers: dict[str, str],
+                                          expected: float | None) -> None:
+    """retry-after-ms, then Retry-After, then the reset of the spent limit (or the sooner)."""
+    seconds = retry_after_s(httpx.Response(429, headers=headers))
+    assert seconds == pytest.approx(expected) if expected is not None else seconds is None
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("0s", 0.0), ("1s", 1.0), ("1.5s", 1.5), ("105ms", 0.105), ("6m0s", 360.0),
+    ("2h", 7200.0), ("10us", 1e-5), ("", None), ("6m0", None), ("-1s", None), ("1d", None)])
+def test_go_durations(text: str, expected: float | None) -> None:
+    """Go durations as OpenAI writes them; anything else is None."""
+    assert duration_s(text) == (pytest.approx(expected) if expected is not None else None)

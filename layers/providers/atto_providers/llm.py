@@ -7,37 +7,74 @@ emulator. ``LLM_BASE_URL`` (default ``https://api.openai.com/v1``), ``LLM_MODEL`
 A caller may name another model only if the deployment offers it: ``LLM_MODELS`` and
 ``LLM_EMBEDDING_MODELS`` (comma-separated; by default only the default model), since a
 route's price in tokens does not depend on the model.
+
+Structured output asks for strict mode (``json_schema.strict: true``, a guaranteed valid
+answer) whenever the caller's schema fits it (``atto_providers.strict``), else for the
+plain mode; the answer is validated against the caller's schema either way, and
+``Completion.strict`` says which mode was used. A strict request the provider rejects for
+its schema is sent once more without strict mode. The provider's answer is read as the
+SDK reads it: ``finish_reason`` ``length`` is 502 ``output_truncated``, ``content_filter``
+is 422 ``content_filtered`` and a ``refusal`` is 422 ``model_refused``; a 400 about the
+caller's schema is 422 ``schema_rejected`` with the provider's reason (all refunded).
+
+OpenAI's rate limits are per model, so the throttle is per model too (``LLM_THROTTLE_BY``
+``model``, the default: each model has its own ``LLM_RATE`` and its own 429 pause, so a
+429 of the embedding model does not hold chat back), or ``provider`` for one throttle of
+every model (a server whose limit is shared).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from usage_limits.web.errors import InvalidRequest, ProviderError
+from usage_limits.exceptions import InvalidArgument
+from usage_limits.web.errors import (
+    ApiError,
+    ContentFiltered,
+    InvalidRequest,
+    ModelRefused,
+    OutputTruncated,
+    ProviderError,
+    SchemaRejected,
+)
 
-from .base import ProviderClient
+from .base import MAX_REASON_CHARS, ProviderClient, UpstreamFault
 from .patterns import UnsupportedPattern, check_schema_patterns, validator_for
 from .secrets import provider_secret
+from .strict import strict_schema
+
+log = logging.getLogger("atto_providers")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 DEFAULT_MODEL = "gpt-4o-mini"
 DEFAULT_EMBEDDING_MODEL = "text-embedding-3-small"
+#: ``LLM_THROTTLE_BY`` values: one throttle per model, or one for the provider.
+THROTTLE_BY = ("model", "provider")
 SYSTEM_PROMPT = ("You answer with a single JSON value that is valid for the given JSON Schema. "
                  "Do not add commentary.")
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A structured answer: ``data`` is valid for the requested schema."""
+    """A structured answer: ``data`` is valid for the requested schema.
+
+    Attributes:
+        data: the answer, valid for the caller's schema.
+        model: the model that answered (as the provider names it: a dated snapshot).
+        prompt_tokens, completion_tokens: the provider's count (0 when it sent none).
+        strict: whether strict mode was used (the schema fit it).
+    """
 
     data: Any
     model: str
     prompt_tokens: int
     completion_tokens: int
+    strict: bool = False
 
 
 class LLMClient(ProviderClient):
@@ -55,6 +92,23 @@ class LLMClient(ProviderClient):
         self.models = _offered(env.get("LLM_MODELS", ""), self.model)
         self.embedding_models = _offered(env.get("LLM_EMBEDDING_MODELS", ""),
                                          self.embedding_model)
+        self.throttle_by = (env.get("LLM_THROTTLE_BY", "").strip().lower() or "model")
+        if self.throttle_by not in THROTTLE_BY:
+            raise InvalidArgument(f"LLM_THROTTLE_BY={self.throttle_by!r} must be one of "
+                                  f"{', '.join(THROTTLE_BY)}")
+
+    def _throttle_key(self, model: str) -> str | None:
+        """The throttle a call of ``model`` takes its slot from (``LLM_THROTTLE_BY``)."""
+        return model if self.throttle_by == "model" else None
+
+    def caller_error(self, fault: UpstreamFault) -> ApiError | None:
+        """A 400 about the schema of ``response_format``: the caller's to fix (422)."""
+        param = fault.param or ""
+        if fault.status == 400 and (fault.code == "invalid_json_schema" or (
+                param.startswith("response_format") and "schema" in fault.message.lower())):
+            return SchemaRejected(f"the {self.name} provider rejected the schema; tokens "
+                                  "refunded", reason=fault.message or None, provider=self.name)
+        return None
 
     def _headers(self) -> dict[str, str]:
         key = provider_secret(self.name, self.env).get("api_key", "")
@@ -67,32 +121,52 @@ class LLMClient(ProviderClient):
         Raises:
             InvalidRequest: the schema has a regex that cannot be checked in linear time
                 (refused before the provider is called).
+            SchemaRejected: the provider refused the caller's schema (422, its reason).
+            OutputTruncated, ContentFiltered, ModelRefused: the answer was cut at the
+                output limit, filtered, or refused (see ``_answer``).
             ProviderError: the provider failed, or its answer is not valid for the schema.
+            ProviderQuotaExceeded: the provider's account is out of quota.
             ProviderBusy: no provider slot within the deadline.
         """
         try:
             check_schema_patterns(schema)
         except UnsupportedPattern as exc:
             raise InvalidRequest(f"the schema cannot be checked: {exc}") from exc
+        chosen = _choose(model, self.model, self.models)
+        strict = strict_schema(schema)
+        try:
+            data = await self._complete(prompt, chosen, strict or schema, strict is not None)
+        except SchemaRejected:
+            if strict is None:
+                raise
+            # Strict mode's subset as the provider has it now may be narrower than ours:
+            # the caller's schema as it is, without the guarantee, is still worth a try.
+            log.warning("the llm provider rejected a strict schema; asking without strict")
+            strict = None
+            data = await self._complete(prompt, chosen, schema, False)
+        value = _answer(data)
+        _check(value, schema)
+        usage = data.get("usage")
+        if not isinstance(usage, dict):
+            log.warning("the llm provider's answer has no usage; counted as 0 tokens")
+            usage = {}
+        return Completion(value, str(data.get("model") or chosen),
+                          int(usage.get("prompt_tokens") or 0),
+                          int(usage.get("completion_tokens") or 0), strict is not None)
+
+    async def _complete(self, prompt: str, model: str, schema: dict[str, Any],
+                        strict: bool) -> Any:
+        """One chat completion asking for ``schema`` (in strict mode or not)."""
         body = {
-            "model": _choose(model, self.model, self.models),
+            "model": model,
             "messages": [{"role": "system", "content": SYSTEM_PROMPT},
                          {"role": "user", "content": prompt}],
             "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "result", "schema": schema}},
+                                "json_schema": {"name": "result", "schema": schema,
+                                                "strict": strict}},
         }
-        data = await self.request("POST", "/chat/completions", json=body, headers=self._headers())
-        try:
-            content = data["choices"][0]["message"]["content"]
-            value = json.loads(content)
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise ProviderError("the llm provider sent no usable answer",
-                                provider=self.name) from exc
-        _check(value, schema)
-        usage = data.get("usage") or {}
-        return Completion(value, str(data.get("model") or body["model"]),
-                          int(usage.get("prompt_tokens", 0)),
-                          int(usage.get("completion_tokens", 0)))
+        return await self.request("POST", "/chat/completions", json=body,
+                                  headers=self._headers(), throttle_key=self._throttle_key(model))
 
     async def embed(self, texts: list[str], *, model: str | None = None,
                     dimensions: int | None = None) -> tuple[list[list[float]], str, int]:
@@ -106,7 +180,8 @@ class LLMClient(ProviderClient):
                                                  self.embedding_models), "input": texts}
         if dimensions:
             body["dimensions"] = dimensions
-        data = await self.request("POST", "/embeddings", json=body, headers=self._headers())
+        data = await self.request("POST", "/embeddings", json=body, headers=self._headers(),
+                                  throttle_key=self._throttle_key(body["model"]))
         try:
             rows = sorted(data["data"], key=lambda row: row["index"])
             vectors = [list(map(float, row["embedding"])) for row in rows]
@@ -118,6 +193,37 @@ class LLMClient(ProviderClient):
                                 provider=self.name)
         tokens = int((data.get("usage") or {}).get("prompt_tokens", 0))
         return vectors, str(data.get("model") or body["model"]), tokens
+
+
+def _answer(data: Any) -> Any:
+    """The JSON value of the first choice, read as the OpenAI SDK reads it.
+
+    Raises:
+        OutputTruncated: ``finish_reason`` is ``length`` (the output limit cut it).
+        ContentFiltered: ``finish_reason`` is ``content_filter``.
+        ModelRefused: the message is a ``refusal``.
+        ProviderError: no choice, no content, or content that is not JSON.
+    """
+    try:
+        choice = data["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ProviderError("the llm provider sent no usable answer", provider="llm") from exc
+    finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+    if finish == "length":
+        raise OutputTruncated("the answer reached the model's output limit before it was "
+                              "complete; tokens refunded", provider="llm")
+    if finish == "content_filter":
+        raise ContentFiltered("the provider's content filter stopped the answer; tokens "
+                              "refunded", provider="llm")
+    refusal = message.get("refusal") if isinstance(message, dict) else None
+    if isinstance(refusal, str) and refusal:
+        raise ModelRefused("the model declined to answer; tokens refunded",
+                           refusal=refusal[:MAX_REASON_CHARS], provider="llm")
+    try:
+        return json.loads(message["content"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProviderError("the llm provider sent no usable answer", provider="llm") from exc
 
 
 def _offered(listed: str, default: str) -> frozenset[str]:

@@ -7,6 +7,12 @@ named ``search``: every instance of every function shares one throttle, with def
 limits ``SEARCH_RATE=5/s`` (the template's ``SearchRate``), ``SEARCH_BURST=2`` and no
 ``SEARCH_CONCURRENCY`` cap. An upstream 429 pauses search for every instance for its
 Retry-After and the call is retried within the request's deadline (``ProviderClient``).
+
+Tavily's Development keys allow 100 requests per minute (1.67/s), a third of the default
+``SEARCH_RATE=5/s``: with such a key set ``SEARCH_RATE=100/m`` (Production keys allow
+1,000/min). Tavily's 432 (the plan's credits are spent) and 433 (the pay-as-you-go limit is
+reached) are quota refusals: not retried, 503 ``provider_quota_exceeded``, counted as
+``UpstreamQuota``.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class SearchClient(ProviderClient):
     name: ClassVar[str] = "search"
     default_rate: ClassVar[str] = "5/s"
     default_burst: ClassVar[int] = 2
+    #: 432: the plan's credits are used up; 433: the pay-as-you-go limit is reached.
+    quota_statuses: ClassVar[frozenset[int]] = frozenset({432, 433})
 
     def __init__(self, *, env: Mapping[str, str] | None = None, redis: Any = None) -> None:
         env = os.environ if env is None else env

@@ -60,9 +60,15 @@ METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
     409: _doc("idempotency_conflict: this Idempotency-Key was already used"),
     422: _doc("invalid_request: the body failed validation; or cost_exceeds_plan: the "
               "request costs more than a window of the plan allows (cost, limit, window_s "
-              "in the body), so it can never be served: do not retry"),
+              "in the body), so it can never be served: do not retry; or schema_rejected "
+              "(the provider refused the schema: reason), model_refused (refusal) or "
+              "content_filtered: tokens refunded"),
     429: _doc("budget_exceeded: the token budget is spent; see Retry-After"),
-    502: _doc("provider_error: the upstream provider failed; tokens refunded"),
+    502: _doc("provider_error: the upstream provider failed; or output_truncated: the answer "
+              "hit the model's output limit; tokens refunded"),
+    503: _doc("limiter_unavailable (Redis unreachable), provider_busy, or "
+              "provider_quota_exceeded (the provider account is out of quota); see "
+              "Retry-After; tokens refunded"),
 }
 
 

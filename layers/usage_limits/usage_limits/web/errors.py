@@ -11,10 +11,18 @@ the shape are defined once:
      ├── PayloadTooLarge       413 payload_too_large
      ├── IdempotencyConflict   409 idempotency_conflict
      ├── CostExceedsPlan       422 cost_exceeds_plan      (cost, limit, window_s; never retry)
+     ├── SchemaRejected        422 schema_rejected        (reason: the provider's, about the schema)
+     ├── ModelRefused          422 model_refused          (refusal: the model's own words)
+     ├── ContentFiltered       422 content_filtered       (the provider's content filter)
      ├── BudgetExceeded        429 budget_exceeded        (+ Retry-After)
      ├── ProviderBusyError     503 provider_busy          (+ Retry-After)
+     ├── ProviderQuotaExceeded 503 provider_quota_exceeded (+ Retry-After; the operator must pay)
      ├── LimiterUnavailableError 503 limiter_unavailable
      └── ProviderError         502 provider_error
+          └── OutputTruncated  502 output_truncated       (the answer hit the output limit)
+
+Every one of them answered by a metered route is refunded (the middleware refunds any
+status >= 400).
 """
 
 from __future__ import annotations
@@ -96,6 +104,35 @@ class ProviderBusyError(ApiError):
     status, code = 503, "provider_busy"
 
 
+class ProviderQuotaExceeded(ApiError):
+    """The provider refused because the operator's account is out of quota or credit.
+
+    Not a rate limit: retrying soon does not help, so it is not retried and pauses no
+    instance; the operator is alerted (metric ``UpstreamQuota``). The body names the
+    ``provider`` only, never the provider's own message.
+    """
+
+    status, code = 503, "provider_quota_exceeded"
+
+
+class SchemaRejected(ApiError):
+    """The provider refused the caller's JSON Schema; ``reason`` is the provider's, trimmed."""
+
+    status, code = 422, "schema_rejected"
+
+
+class ModelRefused(ApiError):
+    """The model declined to answer; ``refusal`` carries its message, trimmed."""
+
+    status, code = 422, "model_refused"
+
+
+class ContentFiltered(ApiError):
+    """The provider's content filter stopped the answer."""
+
+    status, code = 422, "content_filtered"
+
+
 class LimiterUnavailableError(ApiError):
     status, code = 503, "limiter_unavailable"
 
@@ -104,6 +141,12 @@ class ProviderError(ApiError):
     """An upstream provider failed, timed out or answered something unusable."""
 
     status, code = 502, "provider_error"
+
+
+class OutputTruncated(ProviderError):
+    """The answer reached the provider's output limit before it was complete."""
+
+    status, code = 502, "output_truncated"
 
 
 def retry_after_header(seconds: float) -> dict[str, str]:

@@ -14,7 +14,9 @@
     refunds kept for later and refunds lost, credit drawn, events that failed to publish;
   * provider metrics (``PROVIDER_METRICS``), one EMF line per provider the request
     called, under ``(env, provider, service)`` and ``(env, provider)``: calls sent (in
-    throttle units), wait for a slot, provider busy, upstream 429s and upstream errors.
+    throttle units), wait for a slot, provider busy, upstream 429s and upstream errors,
+    quota or billing refusals (``UpstreamQuota``) and refusals of the operator's setup
+    (``UpstreamRejected``: key, permission, model).
 
   ``env`` is ``ATTO_ENV`` (the stage), ``service`` the function
   (``POWERTOOLS_SERVICE_NAME``), ``route`` the API route key (``"POST /v1/structured"``).
@@ -67,6 +69,8 @@ PROVIDER_WAIT_MS = "ProviderWaitMs"
 PROVIDER_BUSY = "ProviderBusy"
 UPSTREAM_429 = "Upstream429"
 UPSTREAM_ERROR = "UpstreamError"
+UPSTREAM_QUOTA = "UpstreamQuota"        # the provider refused: account out of quota or credit
+UPSTREAM_REJECTED = "UpstreamRejected"  # the provider refused our request: key, model, ...
 
 # Dimension names and the dimension sets each group is published under.
 ENV = "env"
@@ -82,7 +86,8 @@ REQUEST_METRICS = frozenset({
     EVENTS_FAILED})
 REQUEST_DIMENSION_SETS: tuple[tuple[str, ...], ...] = ((ENV, SERVICE_DIMENSION, ROUTE), (ENV,))
 PROVIDER_METRICS = frozenset({
-    PROVIDER_CALLS, PROVIDER_WAIT_MS, PROVIDER_BUSY, UPSTREAM_429, UPSTREAM_ERROR})
+    PROVIDER_CALLS, PROVIDER_WAIT_MS, PROVIDER_BUSY, UPSTREAM_429, UPSTREAM_ERROR,
+    UPSTREAM_QUOTA, UPSTREAM_REJECTED})
 PROVIDER_DIMENSION_SETS: tuple[tuple[str, ...], ...] = (
     (ENV, PROVIDER, SERVICE_DIMENSION), (ENV, PROVIDER))
 

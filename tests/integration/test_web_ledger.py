@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -136,13 +137,44 @@ async def test_retry_goes_on_past_a_refund_that_fails(redis_server: RedisServer)
         d = await ledger.reserve(user, "r1", 5)
         refunds.keep(Charge(TokenBudget(dead, plan), user, "r0", 3, "n0"), 3600)
         refunds.keep(Charge(ledger, user, "r1", 5, d.nonce), 3600)
-        assert await refunds.retry(budget_s=2.0) == 1
+        assert await refunds.retry(each_s=2.0) == 1
         assert refunds.pending() == 1  # the failing one is kept for the next request
         assert (await ledger.usage(user)).windows[0].used == 0
     finally:
         refunds.clear()
         await good.aclose()
         await dead.aclose()
+
+
+async def test_a_hanging_shard_holds_up_no_other_kept_refund(redis_server: RedisServer) -> None:
+    """Kept refunds bound for a server that accepts and never answers use only their own
+    bound: the others all land at the first retry, and the hanging ones wait behind them."""
+    hole = socket.create_server(("127.0.0.1", 0))  # its backlog accepts; nothing answers
+    good = redis_from_env(url=redis_server.url, retries=0, socket_timeout_s=5.0)
+    hanging = redis_from_env(url=f"redis://127.0.0.1:{hole.getsockname()[1]}", retries=0,
+                             socket_timeout_s=30.0)
+    user, plan = uuid.uuid4().hex, [Window(50, 3600)]
+    try:
+        ledger = TokenBudget(good, plan)
+        for i in range(3):
+            refunds.keep(Charge(TokenBudget(hanging, plan), user, f"h{i}", 3, "n"), 3600)
+        for i in range(4):
+            done = await ledger.reserve(user, f"g{i}", 5)
+            refunds.keep(Charge(ledger, user, f"g{i}", 5, done.nonce), 3600)
+        assert await refunds.retry(each_s=0.2) == 4
+        assert (await ledger.usage(user)).windows[0].used == 0
+        assert refunds.pending() == 3
+        # More kept than one retry tries: the hanging ones, tried and failed, are behind.
+        done = await ledger.reserve(user, "late", 5)
+        refunds.keep(Charge(ledger, user, "late", 5, done.nonce), 3600)
+        assert await refunds.retry(each_s=0.2, batch=3) == 0  # the three hanging ones
+        assert await refunds.retry(each_s=0.2, batch=1) == 1  # then the late one's turn
+        assert (await ledger.usage(user)).windows[0].used == 0
+    finally:
+        refunds.clear()
+        await good.aclose()
+        await hanging.aclose()
+        hole.close()
 
 
 async def test_concurrent_retries_make_each_pending_refund_once(
@@ -155,7 +187,7 @@ async def test_concurrent_retries_make_each_pending_refund_once(
         ledger = TokenBudget(client, [Window(20, 3600)])
         d = await ledger.reserve(user, "r1", 5)
         refunds.keep(Charge(ledger, user, "r1", 5, d.nonce), 3600)
-        landed = await asyncio.gather(refunds.retry(budget_s=2.0), refunds.retry(budget_s=2.0))
+        landed = await asyncio.gather(refunds.retry(each_s=2.0), refunds.retry(each_s=2.0))
         assert sum(landed) == 1 and refunds.pending() == 0
         assert (await ledger.usage(user)).windows[0].used == 0
     finally:

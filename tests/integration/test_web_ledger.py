@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from local.lambda_events import FakeContext, http_event, invoke
 from local.redis_servers import RedisServer
 from tests.conftest import StartEnvironment
-from tests.faultproxy import Fault, FaultProxy, script_sha
+from tests.faultproxy import Fault, FaultProxy, command, script_sha
 from tests.metered import handler, metered_app
 from usage_limits import TokenBudget, Window
 from usage_limits._scripts import script
@@ -38,7 +38,17 @@ def build_app() -> Any:
         return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
                             status_code=502)
 
+    @app.post("/succeeds-at-deadline", dependencies=[Depends(require_tokens(cost=5))])
+    async def succeeds_at_deadline() -> dict[str, bool]:
+        await asyncio.sleep(remaining_s())
+        return {"ok": True}
+
     return handler(app)
+
+
+def record_write(args: list[bytes]) -> bool:
+    """The idempotency record's final SET (a claim is a SET ... NX)."""
+    return args[0].upper() == b"SET" and b"NX" not in {a.upper() for a in args[3:]}
 
 
 @pytest.fixture
@@ -107,9 +117,9 @@ def test_ratelimit_t_is_zero_for_a_window_emptied_by_the_refund(usage_env: None)
 def test_middleware_refund_ends_before_the_lambda_is_killed(
         lambda_env: StartEnvironment, redis_server: RedisServer,
         fault_proxy: FaultProxy) -> None:
-    """A refund that Redis answers too slowly is cut at the deadline plus half the margin and
-    kept: the invocation still ends before its Lambda time runs out, and the refund lands
-    before the next request."""
+    """A refund that Redis answers too slowly is cut at the clean-up bound and kept: the
+    invocation still ends before its Lambda time runs out, and the refund lands before the
+    next request."""
     lambda_env({"REDIS_URL": fault_proxy.url, "REDIS_SOCKET_TIMEOUT_S": "0.6",
                 "REDIS_RETRIES": "1", "ATTO_BUDGET": "20/1h", "ATTO_DEADLINE_MARGIN_S": "0.8"},
                unset=["ATTO_ENV"])
@@ -124,6 +134,28 @@ def test_middleware_refund_ends_before_the_lambda_is_killed(
     invoke(app, http_event("POST", "/costs-5", body={}, user=uuid.uuid4().hex))
     assert refunds.pending() == 0
     assert invoke(app, http_event("GET", "/used", user=user)).body["used"] == 0
+
+
+@pytest.mark.parametrize("path", ["/succeeds-at-deadline", "/fails-at-deadline"])
+def test_clean_up_after_a_route_at_its_deadline_ends_in_time(
+        lambda_env: StartEnvironment, redis_server: RedisServer, fault_proxy: FaultProxy,
+        path: str) -> None:
+    """After a keyed route that used all its time, lost replies to the refund and to the
+    idempotency record's update (each twice, so every retry fails) are cut by one clean-up
+    budget: the invocation ends before its Lambda time runs out, the refund is kept."""
+    lambda_env({"REDIS_URL": fault_proxy.url, "REDIS_SOCKET_TIMEOUT_S": "0.6",
+                "REDIS_RETRIES": "1", "ATTO_BUDGET": "20/1h", "ATTO_DEADLINE_MARGIN_S": "0.8"},
+               unset=["ATTO_ENV"])
+    app, user = build_app(), uuid.uuid4().hex
+    fault_proxy.inject(Fault.DROP_REPLY, match=record_write, times=2)
+    fault_proxy.inject(Fault.DROP_REPLY, match=command("DEL"), times=2)
+    fault_proxy.inject(Fault.DROP_REPLY, match=REFUND, times=2)
+    context = FakeContext(timeout_s=2.0)
+    res = invoke(app, http_event("POST", path, body={}, user=user,
+                                 headers={"Idempotency-Key": uuid.uuid4().hex}), context)
+    assert res.status == (200 if path == "/succeeds-at-deadline" else 502)
+    assert context.get_remaining_time_in_millis() > 0  # not killed: it ended in time
+    assert refunds.pending() == (0 if res.status == 200 else 1)
 
 
 async def test_retry_goes_on_past_a_refund_that_fails(redis_server: RedisServer) -> None:

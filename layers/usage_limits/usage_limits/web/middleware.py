@@ -11,11 +11,23 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
    a 409 ``idempotency_conflict``);
 5. refunds the request's charge when it did not succeed: the route raised, or the
    response status is 4xx/5xx (a ``yield`` dependency sees raised exceptions but not a
-   5xx that a route returns, which is why this lives here). The refund may use the time
-   left before the deadline plus half the margin kept back for it; one that cannot finish
-   in that time (Redis slow or unreachable) is kept and retried before the next request,
-   so the invocation always ends before the Lambda is killed;
+   5xx that a route returns, which is why this lives here);
 6. turns any unhandled exception into the public 500 error body.
+
+Everything after the route shares one clean-up budget (``Cleanup``), which ends
+``CLEANUP_SHARE`` of the deadline margin after the request's deadline, so a quarter of
+the margin before the Lambda's own timeout (or API Gateway's), whatever Redis does. In
+order, each step gets what the earlier ones left:
+
+- the refund: one that does not finish in time is kept and retried before the next request
+  (``web.refunds``);
+- the idempotency record's update (a success stored, a failure's claim deleted): one that
+  does not finish in time is dropped and logged; the claim then blocks a retry of the key
+  until its in-progress expiry (the Lambda's timeout), and a stored answer is missing, so
+  a repeat after that runs again and is refused by the ledger as the same request id
+  (409), never charged twice;
+- the events still being published: the wait ends, the publications go on in the
+  background and are confirmed or counted as failed when the environment runs again.
 """
 
 from __future__ import annotations
@@ -28,13 +40,28 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..deadline import deadline_scope, remaining_s, request_budget_s
+from ..deadline import deadline_scope, request_budget_s
 from . import events, identity, refunds
 from . import idempotency as idem
 from . import observability as obs
 from .errors import ApiError, error_response
 from .guard import STATE_KEY, RequestState
 from .settings import settings
+
+#: The part of the deadline margin that the steps after the route may use; the rest is for
+#: the log line, the metrics and handing the response to Mangum.
+CLEANUP_SHARE = 0.75
+
+
+class Cleanup:
+    """The time the steps after the route share: until ``end`` (``time.monotonic()``)."""
+
+    def __init__(self) -> None:
+        self.end = float("inf")  # set when the request's deadline is known
+
+    def left_s(self) -> float:
+        """Seconds left for clean-up (0 when it is spent)."""
+        return max(0.0, self.end - time.monotonic())
 
 
 class UsageLimitsMiddleware:
@@ -53,21 +80,25 @@ class UsageLimitsMiddleware:
                 status = message["status"]
             await send(message)
 
+        cleanup = Cleanup()
         try:
-            await self._serve(scope, receive, send_status)
+            await self._serve(scope, receive, send_status, cleanup)
         finally:
-            await events.drain()
+            if not await events.drain(cleanup.left_s()):
+                obs.logger().warning("events still being published at the clean-up bound")
             obs.request_done(_route_key(scope), status or 500)
             obs.flush()
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send,
+                     cleanup: Cleanup) -> None:
         conf = settings()
         state = RequestState()
         scope.setdefault("state", {})[STATE_KEY] = state
         context = scope.get("aws.context")
         remaining_ms = (context.get_remaining_time_in_millis() if context is not None
                         else int(conf.request_timeout_s * 1000))
-        with deadline_scope(request_budget_s(remaining_ms, conf.deadline_margin_s)):
+        with deadline_scope(request_budget_s(remaining_ms, conf.deadline_margin_s)) as deadline:
+            cleanup.end = deadline + conf.deadline_margin_s * CLEANUP_SHARE
             body = await _read_body(scope, receive, conf.max_body_bytes)
             if body is None:
                 await error_response(413, "payload_too_large",
@@ -76,10 +107,10 @@ class UsageLimitsMiddleware:
                 return
             state.idempotency = _idempotency_record(scope, body)
             state.remaining_ms = remaining_ms
-            await self._run(scope, _replay(body, receive), send, state)
+            await self._run(scope, _replay(body, receive), send, state, cleanup)
 
     async def _run(self, scope: Scope, receive: Receive, send: Send,
-                   state: RequestState) -> None:
+                   state: RequestState, cleanup: Cleanup) -> None:
         started = time.perf_counter()
         log = obs.logger()
         log.append_keys(request_id=_request_id(scope),
@@ -122,7 +153,7 @@ class UsageLimitsMiddleware:
             if charge is not None and (status >= 400 or status == 0):
                 cost = charge.cost
                 try:
-                    async with asyncio.timeout(refund_time_s()):
+                    async with asyncio.timeout(cleanup.left_s()):
                         removed = await charge.refund()
                 except Exception:  # the response is already out: retry before the next request
                     log.exception("refund failed; kept to retry before the next request")
@@ -135,12 +166,13 @@ class UsageLimitsMiddleware:
             record = state.claimed
             if record is not None:
                 try:
-                    if 200 <= status < 300:
-                        await idem.complete(record, status, response_headers,
-                                            b"".join(response_body))
-                    else:
-                        await idem.abandon(record)
-                except Exception:  # the record expires on its own
+                    async with asyncio.timeout(cleanup.left_s()):
+                        if 200 <= status < 300:
+                            await idem.complete(record, status, response_headers,
+                                                b"".join(response_body))
+                        else:
+                            await idem.abandon(record)
+                except Exception:  # the claim expires on its own (see the docstring)
                     log.exception("could not update the idempotency record")
             log.info("request", extra={
                 "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 2),
@@ -160,13 +192,6 @@ def _route_key(scope: Scope) -> str | None:
         return key
     path = getattr(scope.get("route"), "path", None)
     return f"{scope.get('method')} {path}" if isinstance(path, str) else None
-
-
-def refund_time_s() -> float:
-    """How long a failed request's refund may take: the time left before the request's
-    deadline plus half the margin kept back after it (the other half is for the
-    idempotency record and the log line)."""
-    return remaining_s() + settings().deadline_margin_s / 2
 
 
 def _idempotency_record(scope: Scope, body: bytes) -> dict[str, Any] | None:

@@ -33,7 +33,9 @@ order, each step gets what the earlier ones left:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -120,18 +122,46 @@ class UsageLimitsMiddleware:
         status = 0
         response_headers: list[tuple[bytes, bytes]] = []
         response_body: list[bytes] = []
+        held: list[Message] = []  # a failed request's answer, sent once its refund is done
+        refund: _Refund | None = None
+
+        async def refund_once() -> _Refund:
+            nonlocal refund
+            if refund is None:
+                refund = await _refund(state, cleanup)
+            return refund
+
+        async def send_held() -> None:
+            done = await refund_once()
+            start, body = held[0], _telling(b"".join(m.get("body", b"") for m in held[1:]),
+                                            done.landed)
+            headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            if state.reservation is not None or state.windows:
+                headers += _ratelimit_headers(state, done.landed)
+            held.clear()
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
 
         async def send_with_headers(message: Message) -> None:
             nonlocal status, response_headers
             if message["type"] == "http.response.start":
                 status = message["status"]
                 response_headers = list(message.get("headers", []))
+                if state.charge is not None and status >= 400:
+                    held.append(message)  # refund first, so that the answer tells the truth
+                    return
                 if state.reservation is not None or state.windows:
-                    refunding = state.charge is not None and status >= 400
                     message = {**message, "headers": response_headers
-                               + _ratelimit_headers(state, refunding)}
-            elif message["type"] == "http.response.body" and state.claimed is not None:
-                response_body.append(message.get("body", b""))
+                               + _ratelimit_headers(state, False)}
+            elif message["type"] == "http.response.body":
+                if state.claimed is not None:
+                    response_body.append(message.get("body", b""))
+                if held:
+                    held.append(message)
+                    if not message.get("more_body", False):
+                        await send_held()
+                    return
             await send(message)
 
         try:
@@ -149,20 +179,11 @@ class UsageLimitsMiddleware:
             status = status or 500
         finally:
             charge = state.charge
-            refunded = 0
             if charge is not None and (status >= 400 or status == 0):
-                cost = charge.cost
-                try:
-                    async with asyncio.timeout(cleanup.left_s()):
-                        removed = await charge.refund()
-                except Exception:  # the response is already out: retry before the next request
-                    log.exception("refund failed; kept to retry before the next request")
-                    charge.cost = cost
-                    refunds.keep(charge, settings().plans.longest_s)
-                else:
-                    if removed:
-                        refunded = cost
-                        obs.count(obs.TOKENS_REFUNDED, cost)
+                await refund_once()
+            if held:  # the route stopped sending half way
+                await send_held()
+            refunded = refund.tokens if refund is not None else 0
             record = state.claimed
             if record is not None:
                 try:
@@ -178,6 +199,60 @@ class UsageLimitsMiddleware:
                 "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 2),
                 "tokens_charged": charge.cost if charge is not None else 0,
                 "tokens_refunded": refunded})
+
+
+@dataclass(frozen=True)
+class _Refund:
+    """How a failed request's refund went.
+
+    Attributes:
+        landed: the refund finished: the charge is gone (or was never made).
+        tokens: tokens it gave back.
+    """
+
+    landed: bool
+    tokens: int
+
+
+async def _refund(state: RequestState, cleanup: Cleanup) -> _Refund:
+    """Refund the request's charge within the clean-up budget; kept for later if it fails."""
+    charge = state.charge
+    if charge is None:
+        return _Refund(True, 0)
+    cost = charge.cost
+    try:
+        async with asyncio.timeout(cleanup.left_s()):
+            removed = await charge.refund()
+    except Exception:  # retried before the next request
+        obs.logger().exception("refund failed; kept to retry before the next request")
+        charge.cost = cost
+        refunds.keep(charge, settings().plans.longest_s)
+        return _Refund(False, 0)
+    if not removed:
+        return _Refund(True, 0)
+    obs.count(obs.TOKENS_REFUNDED, cost)
+    return _Refund(True, cost)
+
+
+#: Said in a failed request's error body when its refund did not finish.
+REFUND_KEPT = ("this request may still be charged: the refund of its charge did not finish "
+               "and will be retried")
+
+
+def _telling(body: bytes, landed: bool) -> bytes:
+    """A failed request's error body, saying so when its charge may not be refunded yet."""
+    if landed:
+        return body
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return body
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if not isinstance(error, dict):
+        return body
+    message = str(error.get("message", "")).removesuffix("; tokens refunded")
+    error.update(message=f"{message}; {REFUND_KEPT}", charged="unknown")
+    return json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _route_key(scope: Scope) -> str | None:

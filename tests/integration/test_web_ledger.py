@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from fastapi import Depends
 from fastapi.responses import JSONResponse
 
@@ -22,7 +23,7 @@ from usage_limits import TokenBudget, Window
 from usage_limits._scripts import script
 from usage_limits.connection import redis_from_env
 from usage_limits.deadline import remaining_s
-from usage_limits.web import refunds, require_tokens
+from usage_limits.web import idempotency, refunds, require_tokens
 from usage_limits.web.charge import Charge
 
 usage_fn = importlib.import_module("functions.usage.app")
@@ -103,6 +104,23 @@ def test_usage_resets_at_is_null_when_a_window_holds_nothing(usage_env: None,
                                                              charge_at + 86400]
 
 
+def test_usage_with_an_idempotency_key_stores_nothing_and_answers_now(
+        usage_env: None, redis_server: RedisServer) -> None:
+    """GET /v1/usage (free) claims no Idempotency-Key: the same key twice gets the current
+    usage both times, never a replay, and no idempotency record is written."""
+    user, key = uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
+    admin = redis.Redis(port=redis_server.port)
+    records = set(admin.keys(f"{idempotency.KEY_PREFIX}*"))
+    first = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user, headers=key))
+    assert invoke(build_app(), http_event("POST", "/costs-5", body={}, user=user)).status == 200
+    again = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user, headers=key))
+    assert [w["used"] for w in first.body["windows"]] == [0, 0]
+    assert [w["used"] for w in again.body["windows"]] == [5, 5]
+    assert "idempotent-replayed" not in again.headers
+    assert set(admin.keys(f"{idempotency.KEY_PREFIX}*")) == records
+    admin.close()
+
+
 def test_ratelimit_t_is_zero_for_a_window_emptied_by_the_refund(usage_env: None) -> None:
     """A failed request whose refund empties the windows reports t=0 in RateLimit, as
     /v1/usage reports resets_at null."""
@@ -156,6 +174,34 @@ def test_clean_up_after_a_route_at_its_deadline_ends_in_time(
     assert res.status == (200 if path == "/succeeds-at-deadline" else 502)
     assert context.get_remaining_time_in_millis() > 0  # not killed: it ended in time
     assert refunds.pending() == (0 if res.status == 200 else 1)
+
+
+def test_an_answer_not_stored_for_lack_of_memory_is_stored_before_the_next_request(
+        lambda_env: StartEnvironment, redis_server: RedisServer) -> None:
+    """A keyed success whose answer's write hits OOM answers 200 and keeps the answer; before
+    the environment's next request it is stored, so a repeat of the key gets it, charged
+    once."""
+    lambda_env({"REDIS_URL": redis_server.url, "ATTO_BUDGET": "20/1h"}, unset=["ATTO_ENV"])
+    admin = redis.Redis(port=redis_server.port)
+    app = metered_app("kept answers test")
+
+    @app.post("/ok-then-oom", dependencies=[Depends(require_tokens(cost=5))])
+    async def ok_then_oom() -> dict[str, bool]:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")  # the answer's write comes after the route
+        return {"ok": True}
+
+    web, user, key = handler(app), uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
+    try:
+        first = invoke(web, http_event("POST", "/ok-then-oom", body={}, user=user, headers=key))
+    finally:
+        admin.config_set("maxmemory", "0")
+    assert first.status == 200 and idempotency.kept() == 1
+    repeat = invoke(web, http_event("POST", "/ok-then-oom", body={}, user=user, headers=key))
+    assert repeat.status == 200 and repeat.headers.get("idempotent-replayed") == "true"
+    assert repeat.body == first.body and idempotency.kept() == 0
+    assert invoke(web, http_event("GET", "/used", user=user)).body["used"] == 5
+    admin.close()
 
 
 async def test_retry_goes_on_past_a_refund_that_fails(redis_server: RedisServer) -> None:

@@ -21,11 +21,10 @@ order, each step gets what the earlier ones left:
 
 - the refund: one that does not finish in time is kept and retried before the next request
   (``web.refunds``);
-- the idempotency record's update (a success stored, a failure's claim deleted): one that
-  does not finish in time is dropped and logged; the claim then blocks a retry of the key
-  until its in-progress expiry (the Lambda's timeout), and a stored answer is missing, so
-  a repeat after that runs again and is refused by the ledger as the same request id
-  (409), never charged twice;
+- the idempotency record's update (a success stored, a failure's claim deleted): a success
+  whose answer is not stored in time is kept and stored before the next request
+  (``web.idempotency``); a failure's claim that is not deleted in time blocks a retry of
+  the key until its in-progress expiry (the Lambda's timeout);
 - the events still being published: the wait ends, the publications go on in the
   background and are confirmed or counted as failed when the environment runs again.
 """
@@ -117,8 +116,8 @@ class UsageLimitsMiddleware:
         log = obs.logger()
         log.append_keys(request_id=_request_id(scope),
                         route=f"{scope.get('method')} {scope.get('path')}", user=None)
-        if refunds.pending():
-            await refunds.retry()
+        if refunds.pending() or idem.kept():  # each bounded, both at once
+            await asyncio.gather(refunds.retry(), idem.retry())
         status = 0
         response_headers: list[tuple[bytes, bytes]] = []
         response_body: list[bytes] = []
@@ -186,15 +185,18 @@ class UsageLimitsMiddleware:
             refunded = refund.tokens if refund is not None else 0
             record = state.claimed
             if record is not None:
+                succeeded = 200 <= status < 300
                 try:
                     async with asyncio.timeout(cleanup.left_s()):
-                        if 200 <= status < 300:
+                        if succeeded:
                             await idem.complete(record, status, response_headers,
                                                 b"".join(response_body))
                         else:
                             await idem.abandon(record)
                 except Exception:  # the claim expires on its own (see the docstring)
                     log.exception("could not update the idempotency record")
+                    if succeeded:  # stored before the next request instead
+                        idem.keep(record, status, response_headers, b"".join(response_body))
             log.info("request", extra={
                 "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 2),
                 "tokens_charged": charge.cost if charge is not None else 0,

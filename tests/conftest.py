@@ -22,8 +22,10 @@ the every-engine modules a module per engine) and has its own session servers; t
 modules (``TIMING_MODULES``, marked ``timing``) run afterwards in a process of their own.
 
 Property tests use the Hypothesis profile named by ``ATTO_PROPERTY_PROFILE``: ``ci`` (the
-default: a fixed seed, so ``make test`` explores the same few thousand steps every run) or
-``long`` (random seeds and many more examples; ``make fleet`` runs it).
+default: 100 examples from a new random seed every run, so ``make test`` explores new steps
+each time within the same time) or ``long`` (2,000 examples; ``make fleet`` runs it). Either
+prints a failure's ``@reproduce_failure(...)`` line: added to the test, it replays the
+example; examples worth keeping become explicit tests.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ from tests.faultproxy import fault_proxy  # noqa: F401  (a fixture)
 
 PROPERTY_PROFILE_ENV = "ATTO_PROPERTY_PROFILE"
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-settings.register_profile("ci", deadline=None, derandomize=True, database=None,
-                          max_examples=100, suppress_health_check=_SLOW_OK, print_blob=True)
+settings.register_profile("ci", deadline=None, database=None, max_examples=100,
+                          suppress_health_check=_SLOW_OK, print_blob=True)
 settings.register_profile("long", deadline=None, max_examples=2000,
                           suppress_health_check=_SLOW_OK, print_blob=True)
 settings.load_profile(os.environ.get(PROPERTY_PROFILE_ENV, "ci"))

@@ -1,9 +1,9 @@
 """A client for Atto Cloud: correct by default.
 
 Every call carries an ``Idempotency-Key`` reused across its retries (never charged twice),
-503s and connection errors are retried honouring ``Retry-After`` within a total time,
-every error code is a typed exception, and the budget headers of the last answer are
-data (``client.rate_limit``)::
+503s, a 409 "in progress" and connection errors are retried honouring ``Retry-After``
+within a total time, every error code is a typed exception, and the budget headers of the
+last answer are data (``client.rate_limit``)::
 
     from atto_cloud_client import AttoClient
 

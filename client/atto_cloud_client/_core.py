@@ -267,7 +267,8 @@ class Call(Generic[T]):
         return step
 
     def on_response(self, response: httpx.Response) -> Step[T]:
-        """An answer: parse a success, retry a 503 (or one 401 with a new token), else raise."""
+        """An answer: parse a success, retry a 503, a 409 "in progress" (it has Retry-After)
+        or one 401 with a new token, else raise."""
         info = ResponseInfo(
             status=response.status_code, request_id=self.key,
             replayed=response.headers.get(REPLAYED_HEADER, "").lower() == "true",
@@ -297,7 +298,9 @@ class Call(Generic[T]):
             self.refreshed = True  # one new token per call; a second 401 is raised
             return Step(refresh_token=True)
         if isinstance(error, ex.ServiceUnavailable) or (
-                isinstance(error, ex.BudgetExceeded) and self.policy.retry_budget_exceeded):
+                isinstance(error, ex.BudgetExceeded) and self.policy.retry_budget_exceeded) or (
+                isinstance(error, ex.IdempotencyConflict) and error.retry_after_s is not None):
+            # a 409 with Retry-After: the key's first request is still in progress
             step = self._again(error.retry_after_s)
             if step is not None:
                 return step

@@ -103,8 +103,12 @@ async def store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
                           headers=retry_after_header(1))
 
 
-async def operator() -> Operator:
-    """The operator service over this environment's store, plans and ledger."""
+async def operator(_: Annotated[str, Depends(operator_principal)]) -> Operator:
+    """The operator service over this environment's store, plans and ledger.
+
+    It needs the caller's IAM principal first, so an unsigned request is 403 even when the
+    store is missing or down (FastAPI resolves the principal once per request).
+    """
     try:
         plans = settings().plans
         return Operator(default_store(), plans, get_budget(plans.default_plan.windows),

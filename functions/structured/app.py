@@ -17,7 +17,7 @@ from fastapi import Depends
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from atto_providers.llm import llm_client
-from atto_providers.patterns import check_schema_patterns
+from atto_providers.patterns import check_schema, check_schema_patterns, validator_for
 from usage_limits.web import METERED_RESPONSES, create_app, lambda_handler, require_tokens
 from usage_limits.web.costs import per_started
 
@@ -39,46 +39,54 @@ class StructuredIn(BaseModel):
     @field_validator("json_schema")
     @classmethod
     def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
-        from jsonschema import SchemaError, validators
+        from jsonschema import SchemaError
 
         if nesting_depth(schema) > MAX_SCHEMA_DEPTH:
             raise ValueError(f"the schema is nested deeper than {MAX_SCHEMA_DEPTH} levels")
         try:
-            validators.validator_for(schema).check_schema(schema)
+            check_schema(schema)  # its meta-schema, with no caller regex on ``re``
         except SchemaError as exc:
             raise ValueError(f"not a valid JSON Schema: {exc.message}") from exc
-        check_references(schema)
         check_schema_patterns(schema)  # regexes RE2 can run in linear time, else a 422
+        check_references(schema)
         return schema
 
 
-def check_references(schema: dict[str, Any]) -> None:
-    """Refuse, before any charge, a schema whose ``$ref``s could never be checked.
+#: The keywords that refer to another part of a schema.
+REFERENCE_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
 
-    Only references inside the schema itself (``#...``) that resolve are allowed, and the
-    schema must not loop without end: otherwise the provider would be called and its
-    answer could not be validated (a 502, refunded, so repeatable for free).
+
+def check_references(schema: dict[str, Any]) -> None:
+    """Refuse, before any charge, a schema whose references could never be checked.
+
+    Only references inside the schema itself (``#...``) that resolve to a schema are
+    allowed, and the schema must not loop without end: otherwise the provider would be
+    called and its answer could not be validated (a 502, refunded, so repeatable for free).
+    The lookups run in a registry that holds the schema alone (``validator_for``).
 
     Raises:
-        ValueError: a remote, dangling or endless reference.
+        ValueError: a remote, dangling or endless reference, or one to a non-schema.
     """
-    from jsonschema import validators
     from referencing import Registry
     from referencing.exceptions import Unresolvable
 
-    refs = [node["$ref"] for node in _nodes(schema)
-            if isinstance(node, dict) and isinstance(node.get("$ref"), str)]
+    refs = [(keyword, node[keyword]) for node in _nodes(schema) if isinstance(node, dict)
+            for keyword in REFERENCE_KEYWORDS if isinstance(node.get(keyword), str)]
     if not refs:
         return
-    validator = validators.validator_for(schema)(schema, registry=Registry())
-    for ref in refs:
+    validator = validator_for(schema, Registry())
+    for keyword, ref in refs:
         if not ref.startswith("#"):
-            raise ValueError(f"$ref {ref[:100]!r} points outside the schema; only local "
+            raise ValueError(f"{keyword} {ref[:100]!r} points outside the schema; only local "
                              "references (#/...) are allowed")
         try:
-            validator._resolver.lookup(ref)  # no public lookup on the validator
+            target = validator._resolver.lookup(ref).contents  # no public lookup
         except Unresolvable as exc:
-            raise ValueError(f"$ref {ref[:100]!r} does not resolve within the schema") from exc
+            raise ValueError(f"{keyword} {ref[:100]!r} does not resolve within the "
+                             "schema") from exc
+        if not isinstance(target, (dict, bool)) or (isinstance(target, dict)
+                                                    and "$schema" in target):
+            raise ValueError(f"{keyword} {ref[:100]!r} does not point to a subschema")
     try:
         validator.is_valid(None)  # a probe: a reference loop with no end recurses forever
     except (RecursionError, Unresolvable) as exc:

@@ -138,14 +138,27 @@ def test_a_read_timeout_is_retried_and_then_succeeds() -> None:
 ])
 def test_other_errors_are_raised_typed_after_one_attempt(status: int, code: str,
                                                          cls: type[ApiError]) -> None:
-    """Every error code but the 503s raises its own class after one attempt, no wait."""
+    """Every error code but the 503s raises its own class after one attempt, no wait (a
+    409 without Retry-After: the key was used for another request, or charged already)."""
     api, time = MockApi(), FakeTime()
-    api.queue(STRUCTURED, error(status, code, "no", retry_after_s=5, limit=100))
+    retry_after = None if status == 409 else 5
+    api.queue(STRUCTURED, error(status, code, "no", retry_after_s=retry_after, limit=100))
     with pytest.raises(cls) as raised:
         client(api, time).structured("x", {})
     assert type(raised.value) is cls and raised.value.code == code
     assert raised.value.status == status and raised.value.message == "no"
     assert len(api.requests) == 1 and time.slept == []
+
+
+def test_a_409_in_progress_is_retried_after_its_retry_after_with_the_same_key() -> None:
+    """A 409 whose Retry-After says the key's first request is still running is retried
+    with the same key, and the stored answer the retry gets is returned."""
+    api, time = MockApi(), FakeTime()
+    api.queue(STRUCTURED, error(409, "idempotency_conflict", "a request with this "
+                                "Idempotency-Key is still in progress", retry_after_s=1))
+    result = client(api, time, rand=lambda: 0.0).structured("x", {"type": "object"})
+    assert time.slept == [1.0] and len(set(keys(api))) == 1 and len(api.requests) == 2
+    assert result.info.attempts == 2
 
 
 def test_budget_exceeded_is_waited_out_only_when_asked() -> None:

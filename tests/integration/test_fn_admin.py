@@ -224,6 +224,24 @@ def test_without_an_iam_principal_outside_local_mode_every_route_is_403(env: str
     assert call("GET", f"/admin/v1/users/{user}").body["override"] is None
 
 
+def test_authorization_comes_before_the_store_on_every_route(
+        env: str, lambda_env: StartEnvironment) -> None:
+    """With the entitlements store missing, an unsigned request to any operator route is 403
+    (authorization first), and a signed one is 503 store_unavailable."""
+    lambda_env({}, unset=("ATTO_ENTITLEMENTS_TABLE",))
+    routes = [(method, route.path) for route in admin.app.routes
+              if route.path.startswith("/admin/") for method in route.methods]
+    assert len(routes) >= 9
+    for method, template in routes:
+        path = template.replace("{user_id}", uuid.uuid4().hex).replace("{reference}", "ref")
+        body = {"plan": "pro", "reason": "r"} if method in ("PUT", "POST") else None
+        unsigned = call(method, path, body, principal=None)
+        assert unsigned.status == 403, (method, path, unsigned.body)
+        assert unsigned.body["error"]["code"] == "forbidden"
+        signed = call(method, path, body, query={"user_id": "u", "reason": "r"})
+        assert signed.status in (422, 503), (method, path, signed.body)
+
+
 def test_local_mode_serves_operators_as_local(env: str, lambda_env: StartEnvironment) -> None:
     """In local mode an unsigned request is served, and audited as the operator `local`."""
     lambda_env({"ATTO_ENV": "local"})

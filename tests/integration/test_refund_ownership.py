@@ -112,11 +112,14 @@ def test_kept_refund_of_a_lost_reserve_spares_the_retry_served_elsewhere(fleet: 
 
 
 def test_kept_refund_of_a_lost_reply_removes_its_own_charge(fleet: Fleet) -> None:
-    """A reserve that charged but lost its replies is refunded later, by its own nonce."""
+    """A reserve that charged but lost its replies answers 503 saying it may have charged,
+    and is refunded later, by its own nonce."""
     user, key = uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
     fleet.proxy.inject(Fault.DROP_REPLY, match=RESERVE, times=2)
     first = fleet.call(fleet.faulty, "POST", "/ok", body={}, user=user, headers=key)
     assert first.status == 503 and fleet.used(user) == 5  # charged, but nobody knows
+    assert first.body["error"]["charged"] == "unknown"
+    assert "may have been charged" in first.body["error"]["message"]
     fleet.call(fleet.faulty, "POST", "/ok", body={}, user=uuid.uuid4().hex)
     assert fleet.used(user) == 0  # the kept refund found its own charge
     retried = fleet.call(fleet.direct, "POST", "/ok", body={}, user=user, headers=key)
@@ -130,6 +133,10 @@ def test_kept_middleware_refund_spares_a_later_charge_of_the_same_key(fleet: Fle
     fleet.proxy.inject(Fault.DROP_REPLY, match=REFUND, times=2)
     failed = fleet.call(fleet.faulty, "POST", "/fails", body={}, user=user, headers=key)
     assert failed.status == 502 and fleet.pending(fleet.faulty) == 1
+    # the answer went out after the refund failed, and says so; RateLimit keeps the charge
+    assert failed.body["error"]["charged"] == "unknown"
+    assert "may still be charged" in failed.body["error"]["message"]
+    assert failed.headers["ratelimit"].startswith('"1h";r=15;')
     assert fleet.used(user) == 0  # the refund did land; only its replies were lost
     retried = fleet.call(fleet.direct, "POST", "/ok", body={}, user=user, headers=key)
     assert retried.status == 200 and fleet.used(user) == 5

@@ -117,3 +117,165 @@ def test_regex_that_cannot_be_linear_is_refused_before_any_charge(
     assert "regex" in json.dumps(res.body) or "unevaluatedProperties" in json.dumps(res.body)
     assert stub_llm.seen == []
     assert used(user) == 0
+
+
+# A generated corpus of nested schemas: whatever mixes of drafts, identifiers and references
+# a caller sends, no caller regex reaches Python's ``re`` (jsonschema's keywords call ``re``
+# through the module attribute ``re`` of these modules; a tripwire stands in for it).
+
+#: The caller regexes of the corpus: none is a meta-schema's own pattern.
+CORPUS_PATTERNS = (EVIL, "^(a|aa)+$", "(x+x+)+y", "^[a-z]+$", "a")
+DRAFT_URIS = ("https://json-schema.org/draft/2020-12/schema",
+              "https://json-schema.org/draft/2019-09/schema",
+              "http://json-schema.org/draft-07/schema#", "http://json-schema.org/draft-06/schema#",
+              "http://json-schema.org/draft-04/schema#", "http://json-schema.org/draft-03/schema#")
+REFERENCES = ("#", "#/$defs/x", "#/definitions/x", "#meta", "#/properties/a", "#/$defs",
+              "https://json-schema.org/draft/2020-12/schema",
+              "https://json-schema.org/draft/2020-12/schema#meta",
+              "https://json-schema.org/draft/2020-12/meta/validation", "urn:x")
+TEXT = "a" * 24 + "b"
+
+
+class CallerRegexOnRe(Exception):
+    """A caller regex was handed to Python's backtracking ``re``."""
+
+
+class Tripwire:
+    """Python's ``re`` for jsonschema's modules, refusing the corpus's caller regexes."""
+
+    def __init__(self) -> None:
+        import re
+
+        self.real, self.hits = re, []
+
+    def _guard(self, pattern: Any) -> None:
+        if isinstance(pattern, str) and pattern in CORPUS_PATTERNS:
+            self.hits.append(pattern)
+            raise CallerRegexOnRe(pattern)
+
+    def search(self, pattern: Any, *args: Any, **kwargs: Any) -> Any:
+        self._guard(pattern)
+        return self.real.search(pattern, *args, **kwargs)
+
+    def compile(self, pattern: Any, *args: Any, **kwargs: Any) -> Any:
+        self._guard(pattern)
+        return self.real.compile(pattern, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def corpus_schemas() -> Any:
+    """Nested schemas mixing every keyword that holds a regex, a subschema or a reference."""
+    from hypothesis import strategies as st
+
+    patterns = st.sampled_from(CORPUS_PATTERNS)
+    refs = st.sampled_from(REFERENCES)
+    leaf = st.one_of(st.booleans(), st.fixed_dictionaries({}, optional={
+        "pattern": patterns, "type": st.sampled_from(["string", "object", "array"]),
+        "format": st.just("regex"), "$schema": st.sampled_from(DRAFT_URIS)}))
+
+    def node(children: Any) -> Any:
+        return st.fixed_dictionaries({}, optional={
+            "$schema": st.sampled_from(DRAFT_URIS), "$id": st.sampled_from(["urn:x", "urn:y"]),
+            "$ref": refs, "$dynamicRef": refs, "$recursiveRef": st.just("#"),
+            "$dynamicAnchor": st.just("meta"), "$recursiveAnchor": st.booleans(),
+            "pattern": patterns, "format": st.just("regex"),
+            "patternProperties": st.dictionaries(patterns, children, max_size=2),
+            "propertyNames": children, "additionalProperties": children,
+            "unevaluatedProperties": children,
+            "properties": st.dictionaries(st.sampled_from(["a", TEXT]), children, max_size=2),
+            "$defs": st.fixed_dictionaries({"x": children}),
+            "definitions": st.fixed_dictionaries({"x": children}),
+            "allOf": st.lists(children, min_size=1, max_size=2),
+            "anyOf": st.lists(children, min_size=1, max_size=2),
+            "items": children, "prefixItems": st.lists(children, min_size=1, max_size=2),
+            "contains": children, "not": children, "if": children, "then": children,
+            "dependentSchemas": st.fixed_dictionaries({"a": children}),
+            "extends": children})
+
+    return st.recursive(leaf, node, max_leaves=12).filter(lambda s: isinstance(s, dict))
+
+
+def corpus_values() -> Any:
+    """Answers whose strings and names would make the corpus's regexes backtrack."""
+    from hypothesis import strategies as st
+
+    texts = st.sampled_from([TEXT, "aaaa", "x" * 24 + "y", ""])
+    return st.recursive(texts | st.none(), lambda c: st.lists(c, max_size=3)
+                        | st.dictionaries(st.sampled_from(["a", TEXT]), c, max_size=3),
+                        max_leaves=8)
+
+
+def refused_or_checked(schema: dict[str, Any], value: Any) -> str:
+    """What the request model and the answer check do with ``schema``, under the tripwire."""
+    import jsonschema
+    from pydantic import ValidationError
+
+    from atto_providers.llm import _check
+    from usage_limits.web.errors import ProviderError
+
+    tripwire = Tripwire()
+    modules = [jsonschema._keywords, jsonschema._legacy_keywords, jsonschema._utils,
+               jsonschema._format]
+    with pytest.MonkeyPatch.context() as patch:
+        for module in modules:
+            patch.setattr(module, "re", tripwire)
+        try:
+            body = structured.StructuredIn(prompt="answer", schema=schema)
+        except ValidationError:
+            outcome = "refused"
+        else:
+            try:
+                _check(value, body.json_schema)
+                outcome = "valid"
+            except ProviderError:
+                outcome = "invalid"
+    assert tripwire.hits == [], f"caller regexes reached re: {tripwire.hits}"
+    return outcome
+
+
+def test_generated_schemas_never_run_a_caller_regex_on_re() -> None:
+    """Over generated nested schemas, each is refused or checked with no caller regex on ``re``."""
+    from hypothesis import event, given
+
+    @given(schema=corpus_schemas(), value=corpus_values())
+    def check(schema: dict[str, Any], value: Any) -> None:
+        event(refused_or_checked(schema, value))
+
+    check()
+
+
+@pytest.mark.parametrize("schema", [
+    {"$schema": DRAFT_URIS[0], "properties": {"a": {"$ref": "#/$defs/x"}},
+     "$defs": {"x": {"$schema": DRAFT_URIS[0], "pattern": EVIL}}},
+    {"$defs": {"x": {"$schema": "http://json-schema.org/draft-07/schema#", "pattern": EVIL}},
+     "$ref": "#/$defs/x"},
+    {"$dynamicAnchor": "meta", "pattern": EVIL,
+     "properties": {"a": {"$dynamicRef": "https://json-schema.org/draft/2020-12/schema#meta"}}},
+    {"$schema": "https://example.com/not-a-draft", "pattern": EVIL},
+])
+def test_named_bypasses_are_refused(schema: dict[str, Any]) -> None:
+    """A subschema naming its draft, a meta-schema reference, an unknown draft: each a 422."""
+    assert refused_or_checked(schema, {"a": TEXT}) == "refused"
+
+
+@pytest.mark.parametrize("dialect", DRAFT_URIS)
+def test_reference_to_a_root_naming_its_draft_stays_linear(dialect: str) -> None:
+    """A root that names its draft and is referenced again (``$ref: "#"``) is checked on RE2."""
+    schema = {"$schema": dialect, "type": ["object", "string"], "pattern": EVIL,
+              "properties": {"a": {"$ref": "#"}}}
+    assert refused_or_checked(schema, {"a": TEXT}) == "invalid"
+    assert refused_or_checked(schema, {"a": "aaaa"}) == "valid"
+
+
+@pytest.mark.parametrize("stub_llm", [{"a": TEXT}], indirect=True)
+def test_subschema_naming_its_draft_is_refused_before_any_charge(stub_llm: HttpStub) -> None:
+    """Over HTTP, ``$schema`` in a ``$defs`` entry is a 422: nothing charged, no provider call."""
+    user = uuid.uuid4().hex
+    res = ask(user, {"$schema": DRAFT_URIS[0], "properties": {"a": {"$ref": "#/$defs/x"}},
+                     "$defs": {"x": {"$schema": DRAFT_URIS[0], "pattern": EVIL}}})
+    assert res.status == 422, res.body
+    assert "$schema" in json.dumps(res.body)
+    assert stub_llm.seen == []
+    assert used(user) == 0

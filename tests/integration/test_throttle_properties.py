@@ -14,19 +14,22 @@ state and every reply must be the model's. Independently of the model, every ste
 - a call sent again (a lost reply re-sent, or a late copy) answers as the first did and
   changes nothing.
 
-Key expiry is real time, the clocks here are not: after each step the test checks that every
-key the step wrote lives at least as long as its entries need, then removes the expiry, so
-the model never depends on how long a step took.
+Key expiry is real time, the clocks here are not: each script runs in a transaction that
+also reads and removes the expiry of every key it may write, so no key can expire in real
+time between steps (a step slowed down past a key's expiry once lost the provider's state),
+and after each step the test checks that every key the step wrote would have lived at least
+as long as its entries need.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -205,9 +208,11 @@ class ThrottleMachine(RuleBasedStateMachine):
         self.t = BASE_MS
         self.calls: list[Call] = []
         self.bookings: list[tuple[int, float, int]] = []   # (seq, slot, cost)
+        self.booked: set[str] = set()                      # answer keys of the bookings
         self.granted: dict[str, float] = {}                # lease id -> grant clock
         self.gone: set[str] = set()                        # released ids
         self.ids: list[str] = []
+        self.ttls: dict[str, int] = {}                     # expiries set since the last check
         self.model = Model(10.0, 1, 1, 40.0, 30.0)
 
     @initialize(interval=st.sampled_from([10.0, 12.5, 100.0]), burst=st.integers(1, 3),
@@ -225,8 +230,22 @@ class ThrottleMachine(RuleBasedStateMachine):
                    "-big": -big, "+big": big}
         return self.t + (offsets[skew] if isinstance(skew, str) else skew)
 
+    def send(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a script with PTTL and PERSIST of every key, atomically (see the docstring)."""
+        watched = [self.state_key, *self.lease_keys]
+        pipe = self.client.pipeline(transaction=True)
+        self.scripts[name](keys=keys, args=args, client=pipe)
+        for key in watched:
+            pipe.pttl(key)
+        for key in watched:
+            pipe.persist(key)
+        out = pipe.execute()
+        self.ttls.update((key, ttl) for key, ttl in zip(watched, out[1:], strict=False)
+                         if ttl >= 0)
+        return _b(out[0])
+
     def run(self, name: str, keys: list[str], args: list[Any], model: Callable[[], Any]) -> Any:
-        reply = _b(self.scripts[name](keys=keys, args=args))
+        reply = self.send(name, keys, args)
         expected = model()
         assert reply == expected, (name, args, reply, expected)
         self.calls.append(Call(name, keys, args, model, reply))
@@ -267,13 +286,16 @@ class ThrottleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def to_a_boundary(self, data: st.DataObject) -> None:
         """The true time jumps to exactly an end: a lease's, a queue entry's, a pause's, tat."""
+        if self.ends():
+            self.t = data.draw(st.sampled_from(self.ends())) - data.draw(
+                st.sampled_from([0.0, 0.25]))
+
+    def ends(self) -> list[float]:
+        """The ends still ahead of the true time, earliest first."""
         m = self.model
         ends = [*m.leases.values(), *m.wexpiry.values(), *m.released.values(),
                 m._num("pause"), m._num("tat")]
-        ends = [e for e in ends if e > self.t]
-        if ends:
-            self.t = data.draw(st.sampled_from(sorted(ends))) - data.draw(
-                st.sampled_from([0.0, 0.25]))
+        return sorted(e for e in ends if e > self.t)
 
     # ---------------------------------------------------------------- rules: the rate
 
@@ -295,7 +317,7 @@ class ThrottleMachine(RuleBasedStateMachine):
         if admitted == 1:
             assert wait_ms <= wait
             assert slot >= pause_before
-            self.bookings.append((reply[3], slot, cost))
+            self.book(answer, reply, cost)
         elif admitted == 0:
             assert wait_ms > wait
         else:
@@ -332,7 +354,10 @@ class ThrottleMachine(RuleBasedStateMachine):
     def lease_release(self, skew: float | str, data: st.DataObject) -> None:
         """A holder gives its lease back (or a waiter gives up, or an unknown id is released)."""
         known = sorted(set(self.model.leases) | set(self.model.waiters) | set(self.ids))
-        lid = data.draw(st.sampled_from(known)) if known else "nobody"
+        self.release(data.draw(st.sampled_from(known)) if known else "nobody", skew)
+
+    def release(self, lid: str, skew: float | str) -> None:
+        """Release ``lid`` at the caller's clock ``skew`` off the true time."""
         now = self.now(skew)
         self.run("throttle_lease_release", self.lease_keys,
                  [lid, f"{self.uid}-free", fmt(now), fmt(self.model.lease_ms)],
@@ -348,7 +373,7 @@ class ThrottleMachine(RuleBasedStateMachine):
             return
         call = self.calls[-1]
         before = self.snapshot()
-        reply = _b(self.scripts[call.name](keys=call.keys, args=call.args))
+        reply = self.send(call.name, call.keys, call.args)
         assert reply == call.reply, (call, reply)
         assert call.model() == call.reply
         assert self.snapshot() == before
@@ -356,20 +381,23 @@ class ThrottleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def late_copy(self, data: st.DataObject) -> None:
         """An earlier call arrives again, late: what it promised holds."""
-        if not self.calls:
-            return
-        call = data.draw(st.sampled_from(self.calls))
+        if self.calls:
+            self.copy(data.draw(st.sampled_from(self.calls)))
+
+    def copy(self, call: Call) -> None:
+        """``call`` arrives again, late."""
         before = self.snapshot()
-        reply = _b(self.scripts[call.name](keys=call.keys, args=call.args))
+        reply = self.send(call.name, call.keys, call.args)
         assert reply == call.model()
         self.calls.append(Call(call.name, call.keys, call.args, call.model, reply))
         if call.name == "throttle_pause" or (
                 call.name == "throttle_acquire" and call.reply[0] == 1):
             assert reply == call.reply and self.snapshot() == before  # kept answers
         elif call.name == "throttle_acquire" and reply[0] == 1:
-            # A late copy of a refused call may reserve a slot nobody uses: wasted, never
-            # over the rate (the spacing invariant includes it).
-            self.bookings.append((reply[3], float(reply[2]), int(call.args[3])))
+            # A late copy of a refused call (or of a recheck told to go) may reserve a slot
+            # nobody uses: wasted, never over the rate (the spacing invariant includes it).
+            # A further copy gets that kept answer: the same booking, not a new one.
+            self.book(call.keys[1], reply, int(call.args[3]))
         if call.name == "throttle_lease_release":
             # No other caller's lease or place is touched (its own id may have been granted
             # again by a copy later than the lease time; a tombstone may be set again).
@@ -389,25 +417,18 @@ class ThrottleMachine(RuleBasedStateMachine):
 
     @invariant()
     def redis_holds_the_model_state(self) -> None:
-        """Every key holds what the model holds; then expiries are checked and removed."""
+        """Every key holds what the model holds, and every expiry set covered its entries."""
         assert self.snapshot() == self.model_snapshot()
-        pipe = self.client.pipeline(transaction=False)
-        keys = [self.state_key, *self.lease_keys]
-        for key in keys:
-            pipe.pttl(key)
-        ttls = dict(zip(keys, pipe.execute(), strict=True))
+        ttls, self.ttls = self.ttls, {}
         m = self.model
-        if ttls[self.state_key] >= 0:
+        if self.state_key in ttls:
             needed = max(m._num("tat"), m._num("pause")) - m._num("clock")
             assert ttls[self.state_key] >= needed
         clock = float(m.lclock) if m.lclock else 0.0
         for key, table in zip(self.lease_keys[:3], (m.leases, m.waiters, m.wexpiry),
                               strict=True):
-            if ttls[key] >= 0 and table and key != self.lease_keys[1]:
+            if key in ttls and table and key != self.lease_keys[1]:
                 assert ttls[key] >= max(table.values()) - clock
-        for key in keys:
-            pipe.persist(key)
-        pipe.execute()
 
     @invariant()
     def gcra_spacing_holds(self) -> None:
@@ -429,6 +450,12 @@ class ThrottleMachine(RuleBasedStateMachine):
         """Never more live leases (on the shared clock) than the cap."""
         clock = float(self.model.lclock) if self.model.lclock else 0.0
         assert sum(1 for e in self.model.leases.values() if e > clock) <= self.model.limit
+
+    def book(self, answer: str, reply: list[Any], cost: int) -> None:
+        """Record the reservation ``reply`` kept under ``answer``, once."""
+        if answer not in self.booked:
+            self.booked.add(answer)
+            self.bookings.append((reply[3], float(reply[2]), cost))
 
     def note_grant(self, lid: str, reply: list[Any]) -> None:
         """Record a new grant (not the answer to a re-sent call), then check the leases."""
@@ -457,3 +484,63 @@ def test_throttle_matches_its_model(redis_server: RedisServer) -> None:
                                   settings=settings(settings(), stateful_step_count=STEPS))
     finally:
         client.close()
+
+
+# Examples the long profile found, kept as explicit cases.
+
+@pytest.fixture
+def machine(redis_server: RedisServer) -> Iterator[ThrottleMachine]:
+    """A state machine on the session's server, for a fixed sequence of steps."""
+    client = redis.Redis(port=redis_server.port)
+    ThrottleMachine.client = client
+    try:
+        yield ThrottleMachine()
+    finally:
+        client.close()
+
+
+def checked(machine: ThrottleMachine) -> None:
+    """Every invariant of the machine, as Hypothesis checks them after a step."""
+    machine.redis_holds_the_model_state()
+    machine.gcra_spacing_holds()
+    machine.lease_cap_holds()
+
+
+def test_late_copies_of_a_recheck_told_to_go_book_one_slot(machine: ThrottleMachine) -> None:
+    """A recheck told to go, sent twice more after a pause, reserves one slot, kept for both."""
+    machine.configure(interval=10.0, burst=1, limit=1, lease_ms=40.0, waiter_ttl=30.0)
+    for step in (lambda: machine.release("nobody", 0.0),
+                 lambda: machine.acquire(skew=-0.25, cost=1, wait=5.0, recheck=True, lead=0.0),
+                 lambda: machine.pause(skew=0.0, pause_ms=0.0)):
+        step()
+        checked(machine)
+    recheck = machine.calls[1]
+    assert recheck.reply[0] == 2  # not paused: go at the slot held
+    for _ in range(2):
+        machine.copy(recheck)
+        checked(machine)
+    assert [c.reply[0] for c in machine.calls[-2:]] == [1, 1]
+    assert machine.calls[-1].reply == machine.calls[-2].reply  # the kept answer
+    assert [seq for seq, _, _ in machine.bookings] == [1]
+
+
+def test_paused_state_outlives_a_slow_step(machine: ThrottleMachine) -> None:
+    """After a reservation, a long pause, a re-send, late copies and a jump to the pause's end,
+    Redis holds the model's state and no key has an expiry left that real time could reach."""
+    machine.configure(interval=10.0, burst=1, limit=1, lease_ms=40.0, waiter_ttl=30.0)
+    machine.acquire(skew=0.0, cost=1, wait=300.0, recheck=False, lead=0.0)
+    checked(machine)
+    machine.pause(skew=0.0, pause_ms=1000.0)
+    checked(machine)
+    machine.resend_last()
+    checked(machine)
+    for call in list(machine.calls[:2]):
+        machine.copy(call)
+        checked(machine)
+    machine.t = machine.ends()[-1]
+    assert machine.t == float(machine.model.state["pause"])
+    keys = [machine.state_key, *machine.lease_keys]
+    assert {key: machine.client.pttl(key) for key in keys
+            if machine.client.exists(key)} == {machine.state_key: -1}
+    checked(machine)
+    assert machine.snapshot()["state"]["seq"] == "1"

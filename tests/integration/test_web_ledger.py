@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from fastapi import Depends
 from fastapi.responses import JSONResponse
 
 from local.lambda_events import FakeContext, http_event, invoke
 from local.redis_servers import RedisServer
 from tests.conftest import StartEnvironment
-from tests.faultproxy import Fault, FaultProxy, script_sha
+from tests.faultproxy import Fault, FaultProxy, command, script_sha
 from tests.metered import handler, metered_app
 from usage_limits import TokenBudget, Window
 from usage_limits._scripts import script
 from usage_limits.connection import redis_from_env
 from usage_limits.deadline import remaining_s
-from usage_limits.web import refunds, require_tokens
+from usage_limits.web import idempotency, refunds, require_tokens
 from usage_limits.web.charge import Charge
 
 usage_fn = importlib.import_module("functions.usage.app")
@@ -37,7 +39,17 @@ def build_app() -> Any:
         return JSONResponse({"error": {"code": "provider_error", "message": "x"}},
                             status_code=502)
 
+    @app.post("/succeeds-at-deadline", dependencies=[Depends(require_tokens(cost=5))])
+    async def succeeds_at_deadline() -> dict[str, bool]:
+        await asyncio.sleep(remaining_s())
+        return {"ok": True}
+
     return handler(app)
+
+
+def record_write(args: list[bytes]) -> bool:
+    """The idempotency record's final SET (a claim is a SET ... NX)."""
+    return args[0].upper() == b"SET" and b"NX" not in {a.upper() for a in args[3:]}
 
 
 @pytest.fixture
@@ -92,6 +104,23 @@ def test_usage_resets_at_is_null_when_a_window_holds_nothing(usage_env: None,
                                                              charge_at + 86400]
 
 
+def test_usage_with_an_idempotency_key_stores_nothing_and_answers_now(
+        usage_env: None, redis_server: RedisServer) -> None:
+    """GET /v1/usage (free) claims no Idempotency-Key: the same key twice gets the current
+    usage both times, never a replay, and no idempotency record is written."""
+    user, key = uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
+    admin = redis.Redis(port=redis_server.port)
+    records = set(admin.keys(f"{idempotency.KEY_PREFIX}*"))
+    first = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user, headers=key))
+    assert invoke(build_app(), http_event("POST", "/costs-5", body={}, user=user)).status == 200
+    again = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user, headers=key))
+    assert [w["used"] for w in first.body["windows"]] == [0, 0]
+    assert [w["used"] for w in again.body["windows"]] == [5, 5]
+    assert "idempotent-replayed" not in again.headers
+    assert set(admin.keys(f"{idempotency.KEY_PREFIX}*")) == records
+    admin.close()
+
+
 def test_ratelimit_t_is_zero_for_a_window_emptied_by_the_refund(usage_env: None) -> None:
     """A failed request whose refund empties the windows reports t=0 in RateLimit, as
     /v1/usage reports resets_at null."""
@@ -106,9 +135,9 @@ def test_ratelimit_t_is_zero_for_a_window_emptied_by_the_refund(usage_env: None)
 def test_middleware_refund_ends_before_the_lambda_is_killed(
         lambda_env: StartEnvironment, redis_server: RedisServer,
         fault_proxy: FaultProxy) -> None:
-    """A refund that Redis answers too slowly is cut at the deadline plus half the margin and
-    kept: the invocation still ends before its Lambda time runs out, and the refund lands
-    before the next request."""
+    """A refund that Redis answers too slowly is cut at the clean-up bound and kept: the
+    invocation still ends before its Lambda time runs out, and the refund lands before the
+    next request."""
     lambda_env({"REDIS_URL": fault_proxy.url, "REDIS_SOCKET_TIMEOUT_S": "0.6",
                 "REDIS_RETRIES": "1", "ATTO_BUDGET": "20/1h", "ATTO_DEADLINE_MARGIN_S": "0.8"},
                unset=["ATTO_ENV"])
@@ -125,6 +154,56 @@ def test_middleware_refund_ends_before_the_lambda_is_killed(
     assert invoke(app, http_event("GET", "/used", user=user)).body["used"] == 0
 
 
+@pytest.mark.parametrize("path", ["/succeeds-at-deadline", "/fails-at-deadline"])
+def test_clean_up_after_a_route_at_its_deadline_ends_in_time(
+        lambda_env: StartEnvironment, redis_server: RedisServer, fault_proxy: FaultProxy,
+        path: str) -> None:
+    """After a keyed route that used all its time, lost replies to the refund and to the
+    idempotency record's update (each twice, so every retry fails) are cut by one clean-up
+    budget: the invocation ends before its Lambda time runs out, the refund is kept."""
+    lambda_env({"REDIS_URL": fault_proxy.url, "REDIS_SOCKET_TIMEOUT_S": "0.6",
+                "REDIS_RETRIES": "1", "ATTO_BUDGET": "20/1h", "ATTO_DEADLINE_MARGIN_S": "0.8"},
+               unset=["ATTO_ENV"])
+    app, user = build_app(), uuid.uuid4().hex
+    fault_proxy.inject(Fault.DROP_REPLY, match=record_write, times=2)
+    fault_proxy.inject(Fault.DROP_REPLY, match=command("DEL"), times=2)
+    fault_proxy.inject(Fault.DROP_REPLY, match=REFUND, times=2)
+    context = FakeContext(timeout_s=2.0)
+    res = invoke(app, http_event("POST", path, body={}, user=user,
+                                 headers={"Idempotency-Key": uuid.uuid4().hex}), context)
+    assert res.status == (200 if path == "/succeeds-at-deadline" else 502)
+    assert context.get_remaining_time_in_millis() > 0  # not killed: it ended in time
+    assert refunds.pending() == (0 if res.status == 200 else 1)
+
+
+def test_an_answer_not_stored_for_lack_of_memory_is_stored_before_the_next_request(
+        lambda_env: StartEnvironment, redis_server: RedisServer) -> None:
+    """A keyed success whose answer's write hits OOM answers 200 and keeps the answer; before
+    the environment's next request it is stored, so a repeat of the key gets it, charged
+    once."""
+    lambda_env({"REDIS_URL": redis_server.url, "ATTO_BUDGET": "20/1h"}, unset=["ATTO_ENV"])
+    admin = redis.Redis(port=redis_server.port)
+    app = metered_app("kept answers test")
+
+    @app.post("/ok-then-oom", dependencies=[Depends(require_tokens(cost=5))])
+    async def ok_then_oom() -> dict[str, bool]:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")  # the answer's write comes after the route
+        return {"ok": True}
+
+    web, user, key = handler(app), uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
+    try:
+        first = invoke(web, http_event("POST", "/ok-then-oom", body={}, user=user, headers=key))
+    finally:
+        admin.config_set("maxmemory", "0")
+    assert first.status == 200 and idempotency.kept() == 1
+    repeat = invoke(web, http_event("POST", "/ok-then-oom", body={}, user=user, headers=key))
+    assert repeat.status == 200 and repeat.headers.get("idempotent-replayed") == "true"
+    assert repeat.body == first.body and idempotency.kept() == 0
+    assert invoke(web, http_event("GET", "/used", user=user)).body["used"] == 5
+    admin.close()
+
+
 async def test_retry_goes_on_past_a_refund_that_fails(redis_server: RedisServer) -> None:
     """A pending refund that keeps failing does not hold up the ones after it."""
     good = redis_from_env(url=redis_server.url, retries=0, socket_timeout_s=1.0)
@@ -136,13 +215,44 @@ async def test_retry_goes_on_past_a_refund_that_fails(redis_server: RedisServer)
         d = await ledger.reserve(user, "r1", 5)
         refunds.keep(Charge(TokenBudget(dead, plan), user, "r0", 3, "n0"), 3600)
         refunds.keep(Charge(ledger, user, "r1", 5, d.nonce), 3600)
-        assert await refunds.retry(budget_s=2.0) == 1
+        assert await refunds.retry(each_s=2.0) == 1
         assert refunds.pending() == 1  # the failing one is kept for the next request
         assert (await ledger.usage(user)).windows[0].used == 0
     finally:
         refunds.clear()
         await good.aclose()
         await dead.aclose()
+
+
+async def test_a_hanging_shard_holds_up_no_other_kept_refund(redis_server: RedisServer) -> None:
+    """Kept refunds bound for a server that accepts and never answers use only their own
+    bound: the others all land at the first retry, and the hanging ones wait behind them."""
+    hole = socket.create_server(("127.0.0.1", 0))  # its backlog accepts; nothing answers
+    good = redis_from_env(url=redis_server.url, retries=0, socket_timeout_s=5.0)
+    hanging = redis_from_env(url=f"redis://127.0.0.1:{hole.getsockname()[1]}", retries=0,
+                             socket_timeout_s=30.0)
+    user, plan = uuid.uuid4().hex, [Window(50, 3600)]
+    try:
+        ledger = TokenBudget(good, plan)
+        for i in range(3):
+            refunds.keep(Charge(TokenBudget(hanging, plan), user, f"h{i}", 3, "n"), 3600)
+        for i in range(4):
+            done = await ledger.reserve(user, f"g{i}", 5)
+            refunds.keep(Charge(ledger, user, f"g{i}", 5, done.nonce), 3600)
+        assert await refunds.retry(each_s=0.2) == 4
+        assert (await ledger.usage(user)).windows[0].used == 0
+        assert refunds.pending() == 3
+        # More kept than one retry tries: the hanging ones, tried and failed, are behind.
+        done = await ledger.reserve(user, "late", 5)
+        refunds.keep(Charge(ledger, user, "late", 5, done.nonce), 3600)
+        assert await refunds.retry(each_s=0.2, batch=3) == 0  # the three hanging ones
+        assert await refunds.retry(each_s=0.2, batch=1) == 1  # then the late one's turn
+        assert (await ledger.usage(user)).windows[0].used == 0
+    finally:
+        refunds.clear()
+        await good.aclose()
+        await hanging.aclose()
+        hole.close()
 
 
 async def test_concurrent_retries_make_each_pending_refund_once(
@@ -155,7 +265,7 @@ async def test_concurrent_retries_make_each_pending_refund_once(
         ledger = TokenBudget(client, [Window(20, 3600)])
         d = await ledger.reserve(user, "r1", 5)
         refunds.keep(Charge(ledger, user, "r1", 5, d.nonce), 3600)
-        landed = await asyncio.gather(refunds.retry(budget_s=2.0), refunds.retry(budget_s=2.0))
+        landed = await asyncio.gather(refunds.retry(each_s=2.0), refunds.retry(each_s=2.0))
         assert sum(landed) == 1 and refunds.pending() == 0
         assert (await ledger.usage(user)).windows[0].used == 0
     finally:

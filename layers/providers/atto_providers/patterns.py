@@ -21,7 +21,24 @@ A regex RE2 cannot run (backreferences such as ``(a)\\1``, lookaround such as ``
 repetition over 1000, a program over RE2's memory budget) is refused when the request is
 validated, with a 422 that names it, before any provider call. RE2 follows the syntax of
 Perl/Python for everything else; like ECMA-262, which JSON Schema names, ``\\w`` and ``\\d``
-are ASCII. ``format: regex`` is not asserted on answers (no format checker is used).
+are ASCII.
+
+The RE2 keywords only help while every part of the schema is validated by our classes, and
+jsonschema switches class by itself in two ways, both closed here:
+
+- a subschema that names a draft in ``$schema`` is validated with that draft's stock class
+  (``evolve`` calls ``validator_for``), whose keywords use ``re``: ``$schema`` is allowed at
+  the root only (an object anywhere else with a string ``$schema`` is refused), and the root
+  is validated without it once its draft has chosen our class, so a ``$ref: "#"`` to the
+  root stays on RE2 too;
+- a ``$ref``, ``$dynamicRef`` or ``$recursiveRef`` may reach the drafts' own meta-schemas,
+  which jsonschema adds to every registry, and from there (``$dynamicRef: "#meta"``) come
+  back into the caller's schema with the stock class: the validator resolves references in
+  a registry that holds the caller's schema and nothing else.
+
+``format`` is not asserted on answers (no format checker is used), so ``format: regex``
+compiles nothing; the meta-schema check of a request (``check_schema``) leaves the
+``regex`` format to RE2 as well, instead of jsonschema's ``re.compile``.
 
 Compiled regexes are cached (``functools.lru_cache``), so a schema's regexes are compiled
 once per execution environment.
@@ -40,7 +57,8 @@ MAX_PROGRAM_BYTES = 8 << 20
 
 
 class UnsupportedPattern(ValueError):
-    """A regex of the schema that cannot be checked in linear time; ``str`` says which."""
+    """A regex of the schema, or a part holding regexes, that cannot be checked in linear
+    time; ``str`` says which."""
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -73,11 +91,18 @@ def check_schema_patterns(schema: Any) -> None:
     """Refuse a schema whose regexes cannot all be checked in linear time.
 
     Raises:
-        UnsupportedPattern: a ``pattern`` or ``patternProperties`` key RE2 cannot run, or
-            ``unevaluatedProperties`` in a schema that also has ``patternProperties``.
+        UnsupportedPattern: a ``pattern`` or ``patternProperties`` key RE2 cannot run;
+            ``unevaluatedProperties`` in a schema that also has ``patternProperties``; a
+            ``$schema`` anywhere but at the root, or one that names no draft jsonschema has.
     """
+    draft_of(schema)
     has_pattern_properties = has_unevaluated = False
     for node in _schemas(schema):
+        if node is not schema and isinstance(node.get("$schema"), str):
+            raise UnsupportedPattern(
+                "$schema is allowed only at the root of the schema (a subschema naming a "
+                f"draft, here {node['$schema'][:100]!r}, would be validated without the "
+                "linear-time regex checks)")
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             compiled(pattern)
@@ -93,16 +118,71 @@ def check_schema_patterns(schema: Any) -> None:
                                  "unevaluatedProperties")
 
 
+def draft_of(schema: Any) -> Any:
+    """The stock jsonschema validator class of the draft ``schema`` names (the latest if none).
+
+    Raises:
+        UnsupportedPattern: ``$schema`` is not a string, or names no draft jsonschema has
+            (jsonschema would fall back to the latest draft with a warning).
+    """
+    from jsonschema import validators
+
+    if not isinstance(schema, dict) or "$schema" not in schema:
+        return validators.validator_for(True)  # the latest draft
+    dialect = schema["$schema"]
+    found = validators.validator_for(schema, default=None) if isinstance(dialect, str) else None
+    if found is None:
+        raise UnsupportedPattern(f"$schema {str(dialect)[:100]!r} names no JSON Schema draft "
+                                 "this service knows (draft 3 to 2020-12)")
+    return found
+
+
+def check_schema(schema: dict[str, Any]) -> None:
+    """Check ``schema`` against its draft's meta-schema, no caller regex compiled by ``re``.
+
+    The meta-schemas say ``format: regex`` of every ``pattern`` and ``patternProperties``
+    key, and jsonschema's checker of that format is ``re.compile``: it is left out here,
+    because ``check_schema_patterns`` compiles each of those regexes with RE2.
+
+    Raises:
+        jsonschema.SchemaError: the schema breaks its meta-schema.
+        UnsupportedPattern: its ``$schema`` names no known draft.
+    """
+    import copy
+
+    base = draft_of(schema)
+    checker = copy.copy(base.FORMAT_CHECKER)
+    checker.checkers = {name: check for name, check in base.FORMAT_CHECKER.checkers.items()
+                        if name != "regex"}
+    base.check_schema(schema, format_checker=checker)
+
+
 def validator_for(schema: dict[str, Any], registry: Any) -> Any:
-    """A jsonschema validator of ``schema`` whose regex keywords run on RE2.
+    """A jsonschema validator of ``schema`` whose regex keywords run on RE2, in every part.
+
+    Its references resolve in ``registry`` plus the schema itself, never in the drafts'
+    meta-schemas (see the module's docstring), and the root's ``$schema`` is dropped once it
+    has chosen the draft, so no part of the schema is validated by a stock class.
 
     Args:
-        schema: the caller's schema (already passed ``check_schema_patterns``).
-        registry: the ``referencing.Registry`` to resolve references with.
-    """
-    import jsonschema
+        schema: the caller's schema.
+        registry: the ``referencing.Registry`` of other resources (an empty one: none).
 
-    return _linear(jsonschema.validators.validator_for(schema))(schema, registry=registry)
+    Raises:
+        UnsupportedPattern: the schema fails ``check_schema_patterns`` (called again here,
+            so no caller of this function can skip it).
+    """
+    import referencing.jsonschema
+
+    check_schema_patterns(schema)
+    base = draft_of(schema)
+    root = {key: value for key, value in schema.items() if key != "$schema"}
+    specification = referencing.jsonschema.specification_with(
+        base.ID_OF(base.META_SCHEMA), default=referencing.Specification.OPAQUE)
+    # ``_resolver`` (jsonschema's own keyword for a prepared resolver): with ``registry=``
+    # alone, jsonschema would add every meta-schema to it.
+    resolver = registry.resolver_with_root(specification.create_resource(root))
+    return _linear(base)(root, _resolver=resolver)
 
 
 @functools.cache

@@ -330,7 +330,21 @@ def publish_soon(events: Sequence[Event]) -> None:
     task.add_done_callback(_tasks.discard)
 
 
-async def drain() -> None:
-    """Wait for the publications ``publish_soon`` started (each ends within its bound)."""
+async def drain(timeout_s: float | None = None) -> bool:
+    """Wait for the publications ``publish_soon`` started (each ends within its bound).
+
+    Args:
+        timeout_s: the longest wait in all (None: until they end). Publications still
+            running then go on (none is cancelled), and end when the loop runs again.
+
+    Returns:
+        True when none is left running.
+    """
+    loop = asyncio.get_running_loop()
+    end = None if timeout_s is None else loop.time() + timeout_s
     while _tasks:
-        await asyncio.gather(*list(_tasks), return_exceptions=True)
+        left = None if end is None else end - loop.time()
+        if left is not None and left <= 0:
+            return False
+        await asyncio.wait(list(_tasks), timeout=left)
+    return True

@@ -256,8 +256,9 @@ class TokenGuard:
             refunds.keep(Charge(budget, user, rid, cost, nonce, entitlements=ent),
                          settings().plans.longest_s)
             raise LimiterUnavailableError(
-                "the usage limiter is unavailable; nothing was charged",
-                headers=retry_after_header(1)) from exc
+                "the usage limiter did not answer; this request may have been charged, and "
+                "if it was, the charge will be refunded", headers=retry_after_header(1),
+                charged="unknown") from exc
         except StoreUnavailable as exc:  # a load was needed; nothing was charged
             raise LimiterUnavailableError(
                 "the usage limiter is unavailable; nothing was charged",

@@ -15,6 +15,13 @@ ledger. For a request carrying ``Idempotency-Key`` from an identified user:
 The key is scoped to the user (the user id is part of the hashed record key), so no user
 can read or replay another user's responses. Powertools' client is blocking; its calls
 run in a worker thread so they never stall the event loop.
+
+A success whose answer could not be stored (Redis out of memory, unreachable, or the
+clean-up budget spent) is kept in the execution environment and written again before
+the next request it serves, like a kept refund: at most ``MAX_KEPT`` are kept, each for
+at most the record's TTL, and before a request up to ``RETRY_BATCH`` are written at once,
+each within ``RETRY_EACH_S``. Until it lands, a repeat of the key gets 409: "in progress"
+(with Retry-After) while the claim lives, then the ledger's "already charged".
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import asyncio
 import hashlib
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +43,13 @@ REPLAY_HEADER = "idempotent-replayed"
 _STORED_HEADERS = {"content-type"}
 
 _store: Any = None
+
+#: Successful answers kept to be stored again, per execution environment (oldest dropped).
+MAX_KEPT = 100
+#: Kept answers written before one request, at most (at once).
+RETRY_BATCH = 16
+#: The longest one kept answer's write may take before a request.
+RETRY_EACH_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -113,9 +128,10 @@ def _persistence() -> Any:
 
 
 def reset() -> None:
-    """Forget the store (tests, or after the environment changed)."""
+    """Forget the store and the kept answers (tests, a restored snapshot, a new environment)."""
     global _store
     _store = None
+    _kept.clear()
 
 
 def record_data(
@@ -187,3 +203,54 @@ async def abandon(data: dict[str, Any]) -> None:
     """Delete the record of a failed request so that a retry may run."""
     await asyncio.to_thread(lambda: _persistence().delete_record(data,
                                                                  RuntimeError("request failed")))
+
+
+@dataclass(frozen=True)
+class _Kept:
+    data: dict[str, Any]
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    keep_until: float
+
+
+_kept: list[_Kept] = []
+
+
+def keep(data: dict[str, Any], status: int, headers: list[tuple[bytes, bytes]],
+         body: bytes) -> None:
+    """Keep a successful answer whose write failed, to store it before the next request."""
+    ttl_s = int(os.environ.get(IDEMPOTENCY_TTL_S, DEFAULT_TTL_S))
+    _kept.append(_Kept(data, status, headers, body, time.monotonic() + ttl_s))
+    if len(_kept) > MAX_KEPT:
+        _kept.pop(0)
+
+
+def kept() -> int:
+    """How many answers wait to be stored."""
+    return len(_kept)
+
+
+async def retry(each_s: float = RETRY_EACH_S, batch: int = RETRY_BATCH) -> int:
+    """Store up to ``batch`` kept answers, at once, each within ``each_s``; a write that
+    fails again is kept behind the others.
+
+    Returns:
+        How many were stored.
+    """
+    now, tried = time.monotonic(), []
+    for item in list(_kept[:batch]):
+        _kept.remove(item)
+        if item.keep_until > now:
+            tried.append(item)
+
+    async def store(item: _Kept) -> int:
+        try:
+            async with asyncio.timeout(each_s):
+                await complete(item.data, item.status, item.headers, item.body)
+        except Exception:  # Redis still failing: keep it
+            _kept.append(item)
+            return 0
+        return 1
+
+    return sum(await asyncio.gather(*(store(item) for item in tried)))

@@ -11,30 +11,58 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
    a 409 ``idempotency_conflict``);
 5. refunds the request's charge when it did not succeed: the route raised, or the
    response status is 4xx/5xx (a ``yield`` dependency sees raised exceptions but not a
-   5xx that a route returns, which is why this lives here). The refund may use the time
-   left before the deadline plus half the margin kept back for it; one that cannot finish
-   in that time (Redis slow or unreachable) is kept and retried before the next request,
-   so the invocation always ends before the Lambda is killed;
+   5xx that a route returns, which is why this lives here);
 6. turns any unhandled exception into the public 500 error body.
+
+Everything after the route shares one clean-up budget (``Cleanup``), which ends
+``CLEANUP_SHARE`` of the deadline margin after the request's deadline, so a quarter of
+the margin before the Lambda's own timeout (or API Gateway's), whatever Redis does. In
+order, each step gets what the earlier ones left:
+
+- the refund: one that does not finish in time is kept and retried before the next request
+  (``web.refunds``);
+- the idempotency record's update (a success stored, a failure's claim deleted): a success
+  whose answer is not stored in time is kept and stored before the next request
+  (``web.idempotency``); a failure's claim that is not deleted in time blocks a retry of
+  the key until its in-progress expiry (the Lambda's timeout);
+- the events still being published: the wait ends, the publications go on in the
+  background and are confirmed or counted as failed when the environment runs again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..deadline import deadline_scope, remaining_s, request_budget_s
+from ..deadline import deadline_scope, request_budget_s
 from . import events, identity, refunds
 from . import idempotency as idem
 from . import observability as obs
 from .errors import ApiError, error_response
 from .guard import STATE_KEY, RequestState
 from .settings import settings
+
+#: The part of the deadline margin that the steps after the route may use; the rest is for
+#: the log line, the metrics and handing the response to Mangum.
+CLEANUP_SHARE = 0.75
+
+
+class Cleanup:
+    """The time the steps after the route share: until ``end`` (``time.monotonic()``)."""
+
+    def __init__(self) -> None:
+        self.end = float("inf")  # set when the request's deadline is known
+
+    def left_s(self) -> float:
+        """Seconds left for clean-up (0 when it is spent)."""
+        return max(0.0, self.end - time.monotonic())
 
 
 class UsageLimitsMiddleware:
@@ -53,21 +81,25 @@ class UsageLimitsMiddleware:
                 status = message["status"]
             await send(message)
 
+        cleanup = Cleanup()
         try:
-            await self._serve(scope, receive, send_status)
+            await self._serve(scope, receive, send_status, cleanup)
         finally:
-            await events.drain()
+            if not await events.drain(cleanup.left_s()):
+                obs.logger().warning("events still being published at the clean-up bound")
             obs.request_done(_route_key(scope), status or 500)
             obs.flush()
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send,
+                     cleanup: Cleanup) -> None:
         conf = settings()
         state = RequestState()
         scope.setdefault("state", {})[STATE_KEY] = state
         context = scope.get("aws.context")
         remaining_ms = (context.get_remaining_time_in_millis() if context is not None
                         else int(conf.request_timeout_s * 1000))
-        with deadline_scope(request_budget_s(remaining_ms, conf.deadline_margin_s)):
+        with deadline_scope(request_budget_s(remaining_ms, conf.deadline_margin_s)) as deadline:
+            cleanup.end = deadline + conf.deadline_margin_s * CLEANUP_SHARE
             body = await _read_body(scope, receive, conf.max_body_bytes)
             if body is None:
                 await error_response(413, "payload_too_large",
@@ -76,31 +108,59 @@ class UsageLimitsMiddleware:
                 return
             state.idempotency = _idempotency_record(scope, body)
             state.remaining_ms = remaining_ms
-            await self._run(scope, _replay(body, receive), send, state)
+            await self._run(scope, _replay(body, receive), send, state, cleanup)
 
     async def _run(self, scope: Scope, receive: Receive, send: Send,
-                   state: RequestState) -> None:
+                   state: RequestState, cleanup: Cleanup) -> None:
         started = time.perf_counter()
         log = obs.logger()
         log.append_keys(request_id=_request_id(scope),
                         route=f"{scope.get('method')} {scope.get('path')}", user=None)
-        if refunds.pending():
-            await refunds.retry()
+        if refunds.pending() or idem.kept():  # each bounded, both at once
+            await asyncio.gather(refunds.retry(), idem.retry())
         status = 0
         response_headers: list[tuple[bytes, bytes]] = []
         response_body: list[bytes] = []
+        held: list[Message] = []  # a failed request's answer, sent once its refund is done
+        refund: _Refund | None = None
+
+        async def refund_once() -> _Refund:
+            nonlocal refund
+            if refund is None:
+                refund = await _refund(state, cleanup)
+            return refund
+
+        async def send_held() -> None:
+            done = await refund_once()
+            start, body = held[0], _telling(b"".join(m.get("body", b"") for m in held[1:]),
+                                            done.landed)
+            headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            if state.reservation is not None or state.windows:
+                headers += _ratelimit_headers(state, done.landed)
+            held.clear()
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
 
         async def send_with_headers(message: Message) -> None:
             nonlocal status, response_headers
             if message["type"] == "http.response.start":
                 status = message["status"]
                 response_headers = list(message.get("headers", []))
+                if state.charge is not None and status >= 400:
+                    held.append(message)  # refund first, so that the answer tells the truth
+                    return
                 if state.reservation is not None or state.windows:
-                    refunding = state.charge is not None and status >= 400
                     message = {**message, "headers": response_headers
-                               + _ratelimit_headers(state, refunding)}
-            elif message["type"] == "http.response.body" and state.claimed is not None:
-                response_body.append(message.get("body", b""))
+                               + _ratelimit_headers(state, False)}
+            elif message["type"] == "http.response.body":
+                if state.claimed is not None:
+                    response_body.append(message.get("body", b""))
+                if held:
+                    held.append(message)
+                    if not message.get("more_body", False):
+                        await send_held()
+                    return
             await send(message)
 
         try:
@@ -118,34 +178,83 @@ class UsageLimitsMiddleware:
             status = status or 500
         finally:
             charge = state.charge
-            refunded = 0
             if charge is not None and (status >= 400 or status == 0):
-                cost = charge.cost
-                try:
-                    async with asyncio.timeout(refund_time_s()):
-                        removed = await charge.refund()
-                except Exception:  # the response is already out: retry before the next request
-                    log.exception("refund failed; kept to retry before the next request")
-                    charge.cost = cost
-                    refunds.keep(charge, settings().plans.longest_s)
-                else:
-                    if removed:
-                        refunded = cost
-                        obs.count(obs.TOKENS_REFUNDED, cost)
+                await refund_once()
+            if held:  # the route stopped sending half way
+                await send_held()
+            refunded = refund.tokens if refund is not None else 0
             record = state.claimed
             if record is not None:
+                succeeded = 200 <= status < 300
                 try:
-                    if 200 <= status < 300:
-                        await idem.complete(record, status, response_headers,
-                                            b"".join(response_body))
-                    else:
-                        await idem.abandon(record)
-                except Exception:  # the record expires on its own
+                    async with asyncio.timeout(cleanup.left_s()):
+                        if succeeded:
+                            await idem.complete(record, status, response_headers,
+                                                b"".join(response_body))
+                        else:
+                            await idem.abandon(record)
+                except Exception:  # the claim expires on its own (see the docstring)
                     log.exception("could not update the idempotency record")
+                    if succeeded:  # stored before the next request instead
+                        idem.keep(record, status, response_headers, b"".join(response_body))
             log.info("request", extra={
                 "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 2),
                 "tokens_charged": charge.cost if charge is not None else 0,
                 "tokens_refunded": refunded})
+
+
+@dataclass(frozen=True)
+class _Refund:
+    """How a failed request's refund went.
+
+    Attributes:
+        landed: the refund finished: the charge is gone (or was never made).
+        tokens: tokens it gave back.
+    """
+
+    landed: bool
+    tokens: int
+
+
+async def _refund(state: RequestState, cleanup: Cleanup) -> _Refund:
+    """Refund the request's charge within the clean-up budget; kept for later if it fails."""
+    charge = state.charge
+    if charge is None:
+        return _Refund(True, 0)
+    cost = charge.cost
+    try:
+        async with asyncio.timeout(cleanup.left_s()):
+            removed = await charge.refund()
+    except Exception:  # retried before the next request
+        obs.logger().exception("refund failed; kept to retry before the next request")
+        charge.cost = cost
+        refunds.keep(charge, settings().plans.longest_s)
+        return _Refund(False, 0)
+    if not removed:
+        return _Refund(True, 0)
+    obs.count(obs.TOKENS_REFUNDED, cost)
+    return _Refund(True, cost)
+
+
+#: Said in a failed request's error body when its refund did not finish.
+REFUND_KEPT = ("this request may still be charged: the refund of its charge did not finish "
+               "and will be retried")
+
+
+def _telling(body: bytes, landed: bool) -> bytes:
+    """A failed request's error body, saying so when its charge may not be refunded yet."""
+    if landed:
+        return body
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return body
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if not isinstance(error, dict):
+        return body
+    message = str(error.get("message", "")).removesuffix("; tokens refunded")
+    error.update(message=f"{message}; {REFUND_KEPT}", charged="unknown")
+    return json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _route_key(scope: Scope) -> str | None:
@@ -160,13 +269,6 @@ def _route_key(scope: Scope) -> str | None:
         return key
     path = getattr(scope.get("route"), "path", None)
     return f"{scope.get('method')} {path}" if isinstance(path, str) else None
-
-
-def refund_time_s() -> float:
-    """How long a failed request's refund may take: the time left before the request's
-    deadline plus half the margin kept back after it (the other half is for the
-    idempotency record and the log line)."""
-    return remaining_s() + settings().deadline_margin_s / 2
 
 
 def _idempotency_record(scope: Scope, body: bytes) -> dict[str, Any] | None:

@@ -15,6 +15,13 @@ have made) its charge, and the ledger lowers a charge only when that nonce match
 kept refund removes its own charge or nothing. A refund of a charge that was never made
 removes nothing. A refund is kept at most as long as the longest window: by then its charge
 has left every window and there is nothing left to give back.
+
+Bounds: before a request, at most ``RETRY_BATCH`` kept refunds are tried, all at once, each
+within its own ``RETRY_EACH_S``, so the retry takes at most that long whatever Redis does.
+A refund bound for a server that accepts and never answers (a cluster shard down) uses its
+own bound and no other's, and goes to the back of the queue: the refunds bound for the other
+shards are tried and land meanwhile, and with more than ``RETRY_BATCH`` kept, every one
+gets its turn.
 """
 
 from __future__ import annotations
@@ -31,8 +38,11 @@ if TYPE_CHECKING:
 
 #: Pending refunds kept per execution environment; beyond that the oldest are dropped.
 MAX_PENDING = 1000
-#: Time spent on pending refunds before a request, at most.
-RETRY_BUDGET_S = 0.2
+#: The longest one kept refund may take before a request; they run at once, so this also
+#: bounds the whole retry.
+RETRY_EACH_S = 0.2
+#: Kept refunds tried before one request, at most (the oldest first).
+RETRY_BATCH = 32
 
 
 @dataclass
@@ -55,7 +65,8 @@ def keep(charge: Charge, longest_window_s: float, *, target: int = 0) -> None:
     _pending.append(_Pending(charge, charge.cost, now, now + longest_window_s, target))
     obs.count(obs.REFUNDS_KEPT)
     if len(_pending) > MAX_PENDING:
-        dropped = _pending.pop(0)
+        dropped = min(_pending, key=lambda item: item.failed_at)
+        _pending.remove(dropped)
         obs.count(obs.REFUNDS_LOST)
         obs.logger().error("pending refund dropped (too many)",
                            extra={"request_id": dropped.charge.request_id})
@@ -66,11 +77,11 @@ def pending() -> int:
     return len(_pending)
 
 
-async def retry(budget_s: float = RETRY_BUDGET_S) -> int:
-    """Try the pending refunds, oldest first, within ``budget_s`` seconds in all.
+async def retry(each_s: float = RETRY_EACH_S, batch: int = RETRY_BATCH) -> int:
+    """Try up to ``batch`` pending refunds, oldest first, at once, each within ``each_s``.
 
-    A refund that fails or runs out of time stays pending, and the next one is tried while
-    time is left: one refund that keeps failing holds up none of the others. A refund is
+    A refund that fails or runs out of its time goes to the back of the pending list: one
+    that keeps failing holds up none of the others, now or at the next request. A refund is
     taken out of the list while it is tried, so requests served at once (a local server
     with several workers) never try the same one twice.
 
@@ -79,33 +90,36 @@ async def retry(budget_s: float = RETRY_BUDGET_S) -> int:
     """
     if not _pending:
         return 0
-    end, landed = time.monotonic() + budget_s, 0
-    for item in list(_pending):
-        left = end - time.monotonic()
-        if left <= 0:
-            break
+    now, tried = time.monotonic(), []
+    for item in list(_pending[:batch]):
         if not _take(item):
             continue  # another request is trying it, or has made it
-        if time.monotonic() > item.keep_until:
+        if now > item.keep_until:
             obs.count(obs.REFUNDS_LOST)
             obs.logger().error("pending refund expired", extra={
                 "request_id": item.charge.request_id})
             continue
-        try:
-            async with asyncio.timeout(left):
-                removed = await item.charge.lower_to(item.target)
-        except Exception:  # Redis still unavailable or too slow (TimeoutError): keep it
-            obs.logger().warning("pending refund failed again; kept", extra={
-                "request_id": item.charge.request_id})
-            _put_back(item)
-            continue
-        if removed:  # False: the charge was never made (only its reply was lost) or is gone
-            landed += 1
-            obs.count(obs.TOKENS_REFUNDED, item.cost)
-            obs.logger().info("pending refund made", extra={
-                "request_id": item.charge.request_id,
-                "delay_s": round(time.monotonic() - item.failed_at, 3)})
-    return landed
+        tried.append(item)
+    return sum(await asyncio.gather(*(_try(item, each_s) for item in tried)))
+
+
+async def _try(item: _Pending, each_s: float) -> int:
+    """Make one kept refund within ``each_s``; 1 when it removed a charge, else 0."""
+    try:
+        async with asyncio.timeout(each_s):
+            removed = await item.charge.lower_to(item.target)
+    except Exception:  # Redis still unavailable or too slow (TimeoutError): keep it
+        obs.logger().warning("pending refund failed again; kept", extra={
+            "request_id": item.charge.request_id})
+        _pending.append(item)  # behind the others: they get their turn first
+        return 0
+    if not removed:  # the charge was never made (only its reply was lost) or is gone
+        return 0
+    obs.count(obs.TOKENS_REFUNDED, item.cost)
+    obs.logger().info("pending refund made", extra={
+        "request_id": item.charge.request_id,
+        "delay_s": round(time.monotonic() - item.failed_at, 3)})
+    return 1
 
 
 def _take(item: _Pending) -> bool:
@@ -115,13 +129,6 @@ def _take(item: _Pending) -> bool:
             del _pending[i]
             return True
     return False
-
-
-def _put_back(item: _Pending) -> None:
-    """Return a refund that failed again to its place among the pending ones (by age)."""
-    at = next((i for i, other in enumerate(_pending) if other.failed_at > item.failed_at),
-              len(_pending))
-    _pending.insert(at, item)
 
 
 def clear() -> None:

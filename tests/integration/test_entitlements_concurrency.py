@@ -72,7 +72,7 @@ async def _draw(target: tuple[str, list[tuple[str, int]]], url: str, table: str,
                          entitlements=True)
     store = _store(url, table)
     cache = EntitlementCache(store)
-    seen = {"spent": 0, "rejected": 0, "unrecorded": 0, "charged": 0}
+    seen = {"spent": 0, "rejected": 0, "unrecorded": 0, "charged": 0, "not_loaded": 0}
     try:
         await client.ping()
         start.wait()
@@ -80,7 +80,7 @@ async def _draw(target: tuple[str, list[tuple[str, int]]], url: str, table: str,
             rid, nonce = f"w{worker}-{i}", uuid.uuid4().hex
             r = await cache.reserve(budget, user, rid, COST, nonce=nonce, plan_name="tiny")
             if r.status != "charged":
-                seen["rejected"] += 1
+                seen["rejected" if r.status == "rejected" else "not_loaded"] += 1
                 continue
             seen["charged"] += 1
             state = "none" if r.drawn == 0 else await cache.commit_draw(budget, user, rid,
@@ -121,7 +121,7 @@ async def _operator_changes(target: tuple[str, list[tuple[str, int]]], store: En
     changes = 0
     try:
         while not done.ready():
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
             plan = PLANS[changes % 2]
             await asyncio.to_thread(store.set_override, user, plan, actor="test",
                                     reason="mid-run")
@@ -165,6 +165,7 @@ def test_eight_processes_keep_credit_exact_through_changes_and_a_flush(
                                                 start) for w in range(PROCESSES)])
             changes = asyncio.run(_operator_changes(target, store, user, pending))
             results = pending.get()
+    print(f"operator changes {changes}; per worker {results}")
     [grant] = store.load(user).grants
     spent = sum(r["spent"] for r in results)
     held = sum(n for record in store.charge_records(user)
@@ -175,8 +176,6 @@ def test_eight_processes_keep_credit_exact_through_changes_and_a_flush(
     charged = sum(r["charged"] - r["unrecorded"] for r in results)
     assert charged * COST >= GRANT  # the grant was drawn to the end: the run is not vacuous
     assert sum(r["rejected"] for r in results) > 0
-    print(f"operator changes {changes}, charges {sum(r['charged'] for r in results)}, "
-          f"503 for an unrecorded draw {sum(r['unrecorded'] for r in results)}")
 
     async def cached() -> int:
         import redis.asyncio as aioredis

@@ -54,7 +54,11 @@ log = logging.getLogger("usage_limits.entitlements")
 MAX_LOADS = 3
 #: Times one draw is moved onto a newer copy before the request gives up (503): each
 #: needs a load or an operator change to land between the draw and its record.
-MAX_REBASES = 4
+MAX_REBASES = 6
+#: Pauses while a draw waits for the loader that took a newer epoch to write its copy,
+#: seconds, before it loads one itself (each load takes an epoch: loading at once would
+#: overtake the other loaders' copies in turn).
+REBASE_WAITS_S = (0.01, 0.02, 0.04)
 
 #: Where a charge's credit stands in the record of truth.
 #:   none      it drew nothing
@@ -229,22 +233,39 @@ class EntitlementCache:
             if outcome != "stale":
                 return "recorded" if outcome == "recorded" else "undone"
             try:  # a load since the draw: take the draw from the new copy as well
-                status, moved_to = await budget.rebase_draw(user_id, request_id, nonce=nonce,
-                                                            reported=reported)
-                if status == 0 or (status == 1 and moved_to <= epoch):
-                    # no copy, or still the one whose epoch DynamoDB moved past (its
-                    # loader's copy is not written yet): load one at a newer epoch
-                    await self.load(budget, user_id)
-                    status, moved_to = await budget.rebase_draw(user_id, request_id,
-                                                                nonce=nonce, reported=reported)
+                status, moved_to = await self._rebase(budget, user_id, request_id, nonce,
+                                                      reported, epoch)
             except (LimiterUnavailable, StoreUnavailable):
                 log.warning("could not move a draw onto the user's new copy", exc_info=True)
                 return "undone"
-            if status != 1:
+            if status < 0:
+                log.warning("a draw could not be moved onto the user's new copy (%s)",
+                            "no such charge" if status == -1 else "the copy lacks the credit")
                 return "undone"
-            epoch = moved_to
+            if status == 1:
+                epoch = moved_to
         log.warning("a draw kept being overtaken by loads of the user's copy")
         return "undone"
+
+    async def _rebase(self, budget: TokenBudget, user_id: str, request_id: str, nonce: str,
+                      reported: dict[str, str], epoch: int) -> tuple[int, int]:
+        """Move the draw onto a copy newer than ``epoch``: the one another loader is
+        writing (waited for briefly), else one this call loads.
+
+        Returns:
+            ``budget.rebase_draw``'s (status, epoch); status 0 when no newer copy could be
+            had this time (the caller tries again, within its bound).
+        """
+        for pause_s in REBASE_WAITS_S:
+            status, moved_to = await budget.rebase_draw(user_id, request_id, nonce=nonce,
+                                                        reported=reported)
+            if status < 0 or (status == 1 and moved_to > epoch):
+                return status, moved_to
+            await asyncio.sleep(pause_s)  # the loader that took the new epoch writes soon
+        await self.load(budget, user_id)
+        status, moved_to = await budget.rebase_draw(user_id, request_id, nonce=nonce,
+                                                    reported=reported)
+        return (0, moved_to) if status == 1 and moved_to <= epoch else (status, moved_to)
 
     async def _resolve(self, user_id: str, request_id: str, nonce: str) -> CreditState:
         """After a draw's write went unanswered: is it recorded? If not, make sure it never

@@ -1,13 +1,11 @@
 """Structured logs, EMF metrics and (in Lambda only) X-Ray tracing, all created lazily.
 
-- Logs: one Powertools ``Logger`` (JSON) per execution environment, so every Powertools
-  logger setting works (``POWERTOOLS_LOG_LEVEL``, Lambda's log level, sampling,
-  ``POWERTOOLS_LOGGER_LOG_EVENT``, ``POWERTOOLS_DEV``, ...). Each request appends its
-  request id, route and the caller's id *hashed* (``user`` is never logged in clear) and
-  nothing secret.
-- Metrics: CloudWatch embedded metric format (EMF), written at the end of every request by
-  Powertools' ``Metrics`` (request metrics) and ``EphemeralMetrics`` (one per provider). Two
-  groups, each with the dimension sets it is published under (declared below, so
+- Logs: one JSON logger (``web.jsonlog``, lines shaped as Powertools' Logger writes them) per
+  execution environment. Each request appends its request id, route and the caller's id
+  *hashed* (``user`` is never logged in clear) and nothing secret.
+- Metrics: CloudWatch embedded metric format (EMF), written at the end of every request
+  (``web.emf``, lines shaped as Powertools' Metrics writes them). Two groups, each with
+  the dimension sets it is published under (declared below, so
   that the template's alarms and dashboard can be checked against them):
 
   * request metrics (``REQUEST_METRICS``), one EMF line per request, under
@@ -37,8 +35,8 @@ from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aws_lambda_powertools import Logger, Metrics
-    from aws_lambda_powertools.metrics import EphemeralMetrics
+    from .emf import MetricSet
+    from .jsonlog import JsonLogger
 
 SERVICE = "atto-cloud"
 NAMESPACE = "AttoCloud"
@@ -88,22 +86,22 @@ PROVIDER_METRICS = frozenset({
 PROVIDER_DIMENSION_SETS: tuple[tuple[str, ...], ...] = (
     (ENV, PROVIDER, SERVICE_DIMENSION), (ENV, PROVIDER))
 
-_logger: Logger | None = None
-_metrics: Metrics | None = None
-_provider_metrics: dict[str, EphemeralMetrics] = {}
+_logger: JsonLogger | None = None
+_metrics: MetricSet | None = None
+_provider_metrics: dict[str, MetricSet] = {}
 _route: str | None = None
 _tracer: Any = None
 _tracer_checked = False
 
 
-def logger() -> Logger:
-    """The execution environment's JSON logger (its level: Lambda's log level, else
-    ``POWERTOOLS_LOG_LEVEL``, else ``LOG_LEVEL``, else INFO, as Powertools decides)."""
+def logger() -> JsonLogger:
+    """The execution environment's JSON logger."""
     global _logger
     if _logger is None:
-        from aws_lambda_powertools import Logger
+        from .jsonlog import JsonLogger
 
-        _logger = Logger(service=os.environ.get(SERVICE_ENV, SERVICE))
+        _logger = JsonLogger(service=os.environ.get(SERVICE_ENV, SERVICE),
+                             level=os.environ.get("LOG_LEVEL", "INFO"))
     return _logger
 
 
@@ -111,27 +109,27 @@ def _stage() -> str:
     return os.environ.get(STAGE_ENV, "").strip() or DEFAULT_STAGE
 
 
-def metrics() -> Metrics:
+def metrics() -> MetricSet:
     """The execution environment's EMF metrics of requests (``REQUEST_METRICS``)."""
     global _metrics
     if _metrics is None:
-        from aws_lambda_powertools import Metrics
+        from .emf import MetricSet
 
-        _metrics = Metrics(namespace=os.environ.get(NAMESPACE_ENV, NAMESPACE),
-                           service=os.environ.get(SERVICE_ENV, SERVICE))
-        _metrics.set_default_dimensions(**{ENV: _stage()})
+        _metrics = MetricSet(os.environ.get(NAMESPACE_ENV, NAMESPACE),
+                             os.environ.get(SERVICE_ENV, SERVICE), {ENV: _stage()},
+                             extra_sets=((ENV,),))
     return _metrics
 
 
-def _provider_set(provider: str) -> EphemeralMetrics:
+def _provider_set(provider: str) -> MetricSet:
     """The EMF metrics of one provider (``PROVIDER_METRICS``), made on first use."""
     found = _provider_metrics.get(provider)
     if found is None:
-        from aws_lambda_powertools.metrics import EphemeralMetrics
+        from .emf import MetricSet
 
-        found = EphemeralMetrics(namespace=os.environ.get(NAMESPACE_ENV, NAMESPACE),
-                                 service=os.environ.get(SERVICE_ENV, SERVICE))
-        found.set_default_dimensions(**{ENV: _stage(), PROVIDER: provider})
+        found = MetricSet(os.environ.get(NAMESPACE_ENV, NAMESPACE),
+                          os.environ.get(SERVICE_ENV, SERVICE),
+                          {ENV: _stage(), PROVIDER: provider}, extra_sets=((ENV, PROVIDER),))
         _provider_metrics[provider] = found
     return found
 
@@ -146,7 +144,7 @@ def count(name: str, value: float = 1, unit: str = "Count") -> None:
         raise ValueError(f"{name!r} is not a request metric")
     if _metrics_disabled():
         return
-    metrics().add_metric(name=name, unit=unit, value=value)
+    metrics().add(name, value, unit)
 
 
 def provider_count(provider: str, name: str, value: float = 1, unit: str = "Count") -> None:
@@ -159,7 +157,7 @@ def provider_count(provider: str, name: str, value: float = 1, unit: str = "Coun
         raise ValueError(f"{name!r} is not a provider metric")
     if _metrics_disabled():
         return
-    _provider_set(provider).add_metric(name=name, unit=unit, value=value)
+    _provider_set(provider).add(name, value, unit)
 
 
 def request_done(route: str | None, status: int) -> None:
@@ -175,33 +173,24 @@ def request_done(route: str | None, status: int) -> None:
 
 @cache
 def _metrics_disabled() -> bool:
-    # Powertools stops printing when disabled but keeps collecting, and prints anyway once
-    # 100 values pile up: skip collecting instead.
+    # Nothing is collected while metrics are off.
     return os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() in {"1", "true"}
 
 
 def flush() -> None:
     """Write this request's metrics (one EMF line per group) and start afresh."""
     global _route
-    if _metrics is not None and _metrics.metric_set:
-        # the first set: env (a default), service and route; the second: env alone
-        _metrics.add_dimension(ROUTE, _route or UNMATCHED_ROUTE)
-        _metrics.add_dimensions(**{ENV: _stage()})
-        _metrics.flush_metrics()
+    if _metrics is not None and _metrics.values:
+        _metrics.flush({ENV: _stage(), ROUTE: _route or UNMATCHED_ROUTE})
     for provider, found in _provider_metrics.items():
-        if found.metric_set:
-            found.add_dimensions(**{ENV: _stage(), PROVIDER: provider})
-            found.flush_metrics()
+        if found.values:
+            found.flush({ENV: _stage(), PROVIDER: provider})
     _route = None
 
 
 def reset() -> None:
     """Forget the metrics made so far and their settings (a new execution environment)."""
     global _metrics, _route
-    if _metrics is not None:
-        # Powertools keeps metrics and default dimensions on the class, shared by instances.
-        _metrics.default_dimensions.clear()
-        _metrics.clear_metrics()
     _metrics, _route = None, None
     _provider_metrics.clear()
     _metrics_disabled.cache_clear()

@@ -153,16 +153,18 @@ if mode == "restore":  # the snapshot was taken here: what came before is free
 result = handler(event, context)
 done, cpu_done = time.perf_counter(), time.process_time()
 print("FIRST-DONE", flush=True)
-warm_us, statuses = [], {result["statusCode"]}
+warm_us, warm_cpu_us, statuses = [], [], {result["statusCode"]}
 for _ in range(warm):
     event, context = request()
-    begin = time.perf_counter()
+    begin, begin_cpu = time.perf_counter(), time.process_time()
     statuses.add(handler(event, context)["statusCode"])
     warm_us.append((time.perf_counter() - begin) * 1e6)
+    warm_cpu_us.append((time.process_time() - begin_cpu) * 1e6)
 print("COLD-START " + json.dumps({"import_ms": import_ms,
                                   "total_ms": (done - start) * 1000,
                                   "cpu_ms": (cpu_done - cpu) * 1000,
                                   "status": result["statusCode"], "warm_us": warm_us,
+                                  "warm_cpu_us": warm_cpu_us,
                                   "warm_status": sorted(statuses)}), flush=True)
 """
 
@@ -341,8 +343,8 @@ def bench(repeats: int, *, tracing: bool, secrets: bool, deployed: bool = False,
         Per tree, one row per handler: for each variant, medians of import_ms, total_ms
         (the timed part: import + first call, or restore hooks + first call), wait_ms and
         cpu_ms (the CPU time of the timed part, every thread of the process); with
-        ``deployed``, ``warm_us``: the p50 of every warm request of the tree's runs; and
-        the statuses answered.
+        ``deployed``, ``warm_us`` and ``warm_cpu_us``: the p50 of every warm request of the
+        tree's runs, in wall and in CPU time; and the statuses answered.
     """
     from _deployed_stack import DeployedStack
 
@@ -403,9 +405,10 @@ def _row(handler: str, samples: dict[str, list[dict[str, Any]]]) -> dict[str, An
         f"{variant}_{key}": statistics.median(s[key] for s in runs)
         for variant, runs in samples.items()
         for key in ("import_ms", "total_ms", "wait_ms", "cpu_ms")}}
-    warm = [us for runs in samples.values() for s in runs for us in s["warm_us"]]
-    if warm:
-        row["warm_us"] = statistics.median(warm)
+    for key in ("warm_us", "warm_cpu_us"):
+        warm = [us for runs in samples.values() for s in runs for us in s[key]]
+        if warm:
+            row[key] = statistics.median(warm)
     row["status"] = sorted({int(status) for runs in samples.values() for s in runs
                             for status in s["warm_status"]})
     return row
@@ -439,12 +442,15 @@ def median_cpu_ratio(rows: list[dict[str, Any]]) -> tuple[float, float, float]:
 def deployed_medians(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Medians over handlers of a deployed run's rows (one tree): ``cold`` (import + first
     call, slot waits left out), ``restore`` (after-restore hooks + first call, waits left
-    out), ``cold_cpu`` (CPU time of the cold one), ms; ``warm`` (each handler's warm p50), µs."""
+    out), ``cold_cpu`` and ``restore_cpu`` (their CPU time), ms; ``warm`` and ``warm_cpu``
+    (each handler's warm p50, wall and CPU time), µs."""
     return {
         "cold": statistics.median(r["cold_total_ms"] - r["cold_wait_ms"] for r in rows),
         "restore": statistics.median(r["restore_total_ms"] - r["restore_wait_ms"] for r in rows),
         "cold_cpu": statistics.median(r["cold_cpu_ms"] for r in rows),
+        "restore_cpu": statistics.median(r["restore_cpu_ms"] for r in rows),
         "warm": statistics.median(r["warm_us"] for r in rows),
+        "warm_cpu": statistics.median(r["warm_cpu_us"] for r in rows),
     }
 
 
@@ -455,6 +461,7 @@ def print_deployed(result: dict[str, list[dict[str, Any]]], repeats: int, warm: 
     print(f"\nCold start as deployed (bench/_deployed_stack.py): median of {repeats} fresh "
           f"interpreters per variant; warm p50 over {warm} requests per cold run. Trees: "
           + ", ".join(names) + "\n")
+    print("Each cell: wall time (CPU time of the process).\n")
     print("| handler | " + " | ".join(f"{t}: import + 1st call ms | {t}: 1st call after "
                                       f"restore ms | {t}: warm p50 µs" for t in names) + " |")
     print("|---|" + "---:|" * (3 * len(names)))
@@ -462,27 +469,29 @@ def print_deployed(result: dict[str, list[dict[str, Any]]], repeats: int, warm: 
         cells = []
         for t in names:
             r = result[t][i]
-            cells += [f"{r['cold_total_ms'] - r['cold_wait_ms']:.0f}",
-                      f"{r['restore_total_ms'] - r['restore_wait_ms']:.0f}",
-                      f"{r['warm_us']:.0f}"]
+            cells += [f"{r['cold_total_ms'] - r['cold_wait_ms']:.0f} ({r['cold_cpu_ms']:.0f})",
+                      f"{r['restore_total_ms'] - r['restore_wait_ms']:.0f} "
+                      f"({r['restore_cpu_ms']:.0f})",
+                      f"{r['warm_us']:.0f} ({r['warm_cpu_us']:.0f})"]
         statuses = sorted({s for t in names for s in result[t][i]["status"]})
         status = "" if statuses == [200] else f" (status {statuses})"
         print(f"| {row['handler']}{status} | " + " | ".join(cells) + " |")
     medians = {t: deployed_medians(result[t]) for t in names}
     print("\nMedian over handlers (slot waits left out):\n")
-    print("| tree | import + 1st call ms | CPU ms | 1st call after restore ms | warm p50 µs |")
-    print("|---|---:|---:|---:|---:|")
+    print("| tree | import + 1st call ms | 1st call after restore ms | warm p50 µs |")
+    print("|---|---:|---:|---:|")
     for t in names:
         m = medians[t]
-        print(f"| {t} | {m['cold']:.0f} | {m['cold_cpu']:.0f} | {m['restore']:.0f} "
-              f"| {m['warm']:.0f} |")
+        print(f"| {t} | {m['cold']:.0f} ({m['cold_cpu']:.0f}) | {m['restore']:.0f} "
+              f"({m['restore_cpu']:.0f}) | {m['warm']:.0f} ({m['warm_cpu']:.0f}) |")
     first = medians[names[0]]
     for t in names[1:]:
         m = medians[t]
-        print(f"\n{t} against {names[0]}: import + 1st call "
-              f"{(m['cold'] - first['cold']) / first['cold']:+.1%}, after restore "
-              f"{(m['restore'] - first['restore']) / first['restore']:+.1%}, warm p50 "
-              f"{(m['warm'] - first['warm']) / first['warm']:+.1%}")
+        print(f"\n{t} against {names[0]}, wall (CPU): " + ", ".join(
+            f"{label} {(m[k] - first[k]) / first[k]:+.1%} "
+            f"({(m[k + '_cpu'] - first[k + '_cpu']) / first[k + '_cpu']:+.1%})"
+            for label, k in (("import + 1st call", "cold"), ("after restore", "restore"),
+                             ("warm p50", "warm"))))
 
 
 def commit_trees(specs: list[str], folder: Path) -> dict[str, Path]:

@@ -7,6 +7,7 @@ routes and business logic.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from fastapi import FastAPI
@@ -63,6 +64,37 @@ METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
     429: _doc("budget_exceeded: the token budget is spent; see Retry-After"),
     502: _doc("provider_error: the upstream provider failed; tokens refunded"),
 }
+
+
+_original: list[Any] = []  # FastAPI's own check, once replaced
+
+
+def _check_v1_models_only_once_loaded() -> None:
+    """Keep FastAPI from importing ``pydantic.v1`` to build a route.
+
+    FastAPI refuses pydantic.v1 models, and to tell them apart it imports ``pydantic.v1``
+    for every field of every route it builds (``fastapi._compat.shared``), which costs a
+    cold start 15-20 ms of CPU for a module no handler uses. A class can only be a v1 model
+    once ``pydantic.v1`` has been imported, so until then the answer is "no" without the
+    import, and after it FastAPI's own check runs: the same answer either way. If FastAPI
+    no longer has the function (a newer release), nothing is replaced.
+    """
+    from fastapi._compat import shared
+
+    check = getattr(shared, "is_pydantic_v1_model_class", None)
+    if check is None or check is _only_once_loaded or _original:
+        return
+    _original.append(check)
+    shared.is_pydantic_v1_model_class = _only_once_loaded
+
+
+def _only_once_loaded(cls: Any) -> bool:
+    """FastAPI's ``is_pydantic_v1_model_class``, answered without importing pydantic.v1
+    while no module has (then no class can be a v1 model)."""
+    return "pydantic.v1" in sys.modules and bool(_original[0](cls))
+
+
+_check_v1_models_only_once_loaded()
 
 
 def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:

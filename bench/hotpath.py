@@ -20,7 +20,11 @@ Rows:
   and again in the CPU time of the calling thread, which leaves out the wait for Redis and
   the time other processes held the CPU (so it holds on a busy shared machine);
 - cold start, import + first invocation, lazy / eager, median over handlers
-  (``bench/cold_start.py``); in wall time, and again in the CPU time of the process.
+  (``bench/cold_start.py``); in wall time, and again in the CPU time of the process;
+- the same handlers as deployed (``bench/cold_start.py --deployed``: provider keys from
+  Secrets Manager, ``REDIS_AUTH=iam`` over TLS, entitlements on): import + first
+  invocation, the first invocation after a SnapStart restore, and a warm request's p50,
+  each the median over handlers.
 
 Worker kinds: ``ledger`` and ``guard`` per tree, and a second ``ledger`` of "now" with
 hiredis hidden from the interpreter, to show what hiredis alone does. The baseline had no
@@ -64,17 +68,19 @@ class Preset:
     guard_calls: int  # per kind and round
     cold_repeats: int
     cold_handlers: tuple[str, ...] | None  # None: every handler
+    warm_requests: int  # per deployed cold run
 
 
 FULL = Preset(sizes=(10, 100_000), rounds=10, ledger_calls=200, guard_calls=300,
-              cold_repeats=3, cold_handlers=None)
+              cold_repeats=3, cold_handlers=None, warm_requests=20)
 #: Short, but with enough calls for a p50 to hold on a shared machine (a handler call is
 #: under a millisecond): the cold starts take most of its minute. Three handlers, so the
 #: median over them is one handler's, as in the full run: structured (the keyed event),
 #: embeddings and usage. Three runs each, as in the full run: with two, a handler's "median"
 #: is the mean of two, and one run slowed by the shared machine moves it.
 QUICK = Preset(sizes=(10, 100_000), rounds=5, ledger_calls=150, guard_calls=300,
-               cold_repeats=3, cold_handlers=("structured", "embeddings", "usage"))
+               cold_repeats=3, cold_handlers=("structured", "embeddings", "usage"),
+               warm_requests=10)
 
 
 # ----------------------------------------------------------------------------- workers
@@ -300,12 +306,16 @@ def run(preset_name: str, baseline: str, *, guard_only: bool = False,
             for worker in workers.values():
                 worker.stop()
         server.cli("FLUSHALL")
+        handlers = list(preset.cold_handlers) if preset.cold_handlers else None
         cold = None if guard_only else cold_start.bench(
             preset.cold_repeats, tracing=False, secrets=False,
-            trees={"now": trees["now"], "was": trees["was"]},
-            handlers=list(preset.cold_handlers) if preset.cold_handlers else None,
-            server=server)
-    return {"preset": preset, "gathered": gathered, "cold": cold, "hiredis": hiredis,
+            trees={"now": trees["now"], "was": trees["was"]}, handlers=handlers, server=server)
+        deployed = None if guard_only else cold_start.bench(
+            preset.cold_repeats, tracing=False, secrets=True, deployed=True,
+            warm=preset.warm_requests, trees={"now": trees["now"], "was": trees["was"]},
+            handlers=handlers)
+    return {"preset": preset, "gathered": gathered, "cold": cold, "deployed": deployed,
+            "hiredis": hiredis,
             "baseline": baseline, "guard_only": guard_only, "quick": preset_name == "quick"}
 
 
@@ -361,6 +371,14 @@ def table(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         lazy, eager, ratio = cold_start.median_cpu_ratio(result["cold"][tag])
         cpu_cells.append(f"{ratio:.2f}x ({lazy:.0f} vs {eager:.0f} ms)")
     rows.append(("the same in CPU time of the process", *cpu_cells, "", "<= 0.70x"))
+    medians = {tag: cold_start.deployed_medians(result["deployed"][tag]) for tag in ("now", "was")}
+    for key, name, unit in (
+            ("cold", "cold start as deployed, import + 1st call, median over handlers", "ms"),
+            ("restore", "1st call after a SnapStart restore, as deployed, median over handlers",
+             "ms"),
+            ("warm", "warm request p50 as deployed, median over handlers", "µs")):
+        rows.append((name, *(f"{medians[tag][key]:.0f} {unit}" for tag in ("now", "was")), "",
+                     ""))
     return rows
 
 

@@ -131,12 +131,23 @@ end
 -- Anything else is seen before the first write, and the general code starts over.
 local packed = redis.call('HGET', meta_key, FIELD)  -- meta's record (the general code too)
 do
+  -- meta's numbers by position in v (the layout of _budget_meta.lua):
+  local CLK = 1      -- the key's clock, ms
+  local DEAD = 2     -- events that left every window but are still stored
+  local PER = 6      -- numbers per window, after CLK and DEAD, shortest window first
+  local BASE = -3    -- window i's numbers are v[k + W] .. v[k + N], k = PER * i + BASE
+  local W = 0        -- the window's length, ms
+  local T = 1        -- tokens the window counts
+  local LO = 2       -- the cursor, ms: every event scored <= it is out of T
+  local F = 3        -- score of the oldest event T counts, ms (-1 none, -2 unknown)
+  local D = 4        -- tokens drawn from grants by the events T counts
+  local N = 5        -- the highest usage threshold already reported, percent
   local fast, epoch, now, nw, size, layout, v = packed ~= false, nil, nil, nil, nil, nil, nil
   if fast then
     size = #packed / 8
     layout = '<' .. string.rep('d', size)
     v = {struct.unpack(layout, packed)}  -- then struct's position (v[size + 1])
-    now = math.max(now_arg, v[1])
+    now = math.max(now_arg, v[CLK])
   end
   if fast and dr_key then
     local e = redis.call('HMGET', ent_key, 'epoch', 'plan', 'susp')
@@ -146,11 +157,11 @@ do
     if fast and e[2] and e[2] ~= plan_name then use_override(e[2]) end
   end
   nw = #call_windows
-  if fast and size == 2 + 6 * nw then
+  if fast and size == DEAD + PER * nw then
     for i = 1, nw do
       if not fast then break end
-      local k = 6 * i - 3  -- v[k..k+5]: W t lo f d n of window i
-      local w, t, lo, f = v[k], v[k + 1], v[k + 2], v[k + 3]
+      local k = PER * i + BASE
+      local w, t, lo, f = v[k + W], v[k + T], v[k + LO], v[k + F]
       local b = now - w
       if w ~= call_windows[i] or (f == -1 and t ~= 0) then fast = false break end
       if lo < b then
@@ -162,24 +173,24 @@ do
           if f ~= -1 and f <= b then
             f = items[4] and tonumber(items[4]) or -1
             -- two or more leave, or one whose draws the window counts: the general code
-            if (f ~= -1 and f <= b) or v[k + 4] > 0 then fast = false break end
+            if (f ~= -1 and f <= b) or v[k + D] > 0 then fast = false break end
             local rec = redis.call('HGET', ev_key, items[1])
             t = t - (rec and tonumber(string.match(rec, '^%d+')) or 0)
-            if i == nw then v[2] = v[2] + 1 end  -- out of every window: dead
+            if i == nw then v[DEAD] = v[DEAD] + 1 end  -- out of every window: dead
           end
         end
-        v[k + 1], v[k + 2], v[k + 3] = t, b, f
+        v[k + T], v[k + LO], v[k + F] = t, b, f
       elseif f == -2 then
         fast = false break  -- the first event is unknown: looked up there
       end
       -- rejected, or (the quota, t - d, with entitlements on) needing credit: the general code
-      if t - (epoch and i == nw and v[k + 4] or 0) + cost > limits[i] then
+      if t - (epoch and i == nw and v[k + D] or 0) + cost > limits[i] then
         fast = false break
       end
     end
     if fast then
-      local longest = call_windows[nw]
-      local due = v[6 * nw] == -1 or redis.call('PTTL', meta_key) < longest + margin_ms
+      local longest, last = call_windows[nw], PER * nw + BASE  -- the longest window, its k
+      local due = v[last + F] == -1 or redis.call('PTTL', meta_key) < longest + margin_ms
       if redis.call('ZADD', log_key, 'NX', now, request_id) == 1 then
         redis.call('HSET', ev_key, request_id, record)
         -- reply: status, retry, binding, (entitlements on: the ent block: nothing drawn,
@@ -191,22 +202,22 @@ do
         local thresholds, th_margin = parse_thresholds(threshold_spec)
         local crossed = thresholds and {}
         for i = 1, nw do
-          local k = 6 * i - 3
-          local t = v[k + 1] + cost
-          if v[k + 3] == -1 then v[k + 3] = now end
-          v[k + 1] = t
-          local used = (epoch and i == nw) and t - v[k + 4] or t  -- the quota counts t - d
-          out[at + 2 * i - 1], out[at + 2 * i] = used, v[k + 3] + v[k]
+          local k = PER * i + BASE
+          local t = v[k + T] + cost
+          if v[k + F] == -1 then v[k + F] = now end
+          v[k + T] = t
+          local used = (epoch and i == nw) and t - v[k + D] or t  -- the quota counts t - d
+          out[at + 2 * i - 1], out[at + 2 * i] = used, v[k + F] + v[k + W]
           if thresholds then
-            v[k + 5] = cross(thresholds, th_margin, crossed, i, limits[i], used - cost, used,
-                             v[k + 5])
+            v[k + N] = cross(thresholds, th_margin, crossed, i, limits[i], used - cost, used,
+                             v[k + N])
           end
         end
-        if v[2] >= PURGE or (due and v[2] > 0) then
-          purge(v[6 * nw - 1])
-          v[2] = 0
+        if v[DEAD] >= PURGE or (due and v[DEAD] > 0) then
+          purge(v[last + LO])
+          v[DEAD] = 0
         end
-        v[1] = now
+        v[CLK] = now
         redis.call('HSET', meta_key, FIELD, struct.pack(layout, unpack(v, 1, size)))
         if due then renew_expiry(longest + margin_ms + math.min(longest, 3600000)) end
         if crossed then

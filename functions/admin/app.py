@@ -25,7 +25,7 @@ from usage_limits.entitlements.store import MAX_AUDIT, default_store
 from usage_limits.exceptions import InvalidArgument
 from usage_limits.web import ApiError, ErrorBody, create_app, lambda_handler, settings
 from usage_limits.web.errors import error_response, retry_after_header
-from usage_limits.web.identity import operator_principal
+from usage_limits.web.identity import operator_principal, shown_id
 from usage_limits.web.runtime import get_budget, get_entitlements
 
 app = create_app("Atto Cloud: operator API")
@@ -173,7 +173,7 @@ def picture_out(p: Picture) -> dict[str, Any]:
         "grants": grants,
         "credit": sum(g["remaining"] for g in grants if g["live"]),
         "suspension": suspension_out(p.entitlements.suspension, p.now_ms),
-        "events": [{"request_id": e.request_id, "cost": e.cost, "route": e.route,
+        "events": [{"request_id": shown_id(e.request_id), "cost": e.cost, "route": e.route,
                     "at": iso(e.at_ms),
                     "draws": [{"reference": r, "tokens": n} for r, n in e.draws]}
                    for e in p.events],
@@ -236,7 +236,7 @@ async def refund(user_id: UserId, body: RefundIn, ops: Ops, actor: Actor) -> JSO
     """Refund one charge, at most once (a second call returns the first refund, 200)."""
     done, created = await ops.refund(user_id, body.request_id, actor=actor, reason=body.reason)
     return JSONResponse({"user_id": user_id, "created": created,
-                         "refund": {"request_id": done.request_id, "tokens": done.tokens,
+                         "refund": {"request_id": shown_id(done.request_id), "tokens": done.tokens,
                                     **_change(done.change)}},
                         status_code=201 if created else 200)
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from usage_limits.entitlements import Plan, iso
 from usage_limits.web import create_app, current_user, lambda_handler
 from usage_limits.web.guard import current_plan, read_usage
+from usage_limits.web.identity import shown_id
 
 app = create_app("Atto Cloud: usage")
 
@@ -46,7 +47,8 @@ class DrawOut(BaseModel):
 
 
 class SpendEventOut(BaseModel):
-    request_id: str
+    request_id: str = Field(description="The request's id, as its X-Request-Id header "
+                                        "showed it: the id support refunds by.")
     cost: int
     route: str
     at: float = Field(description="Unix time of the charge.")
@@ -97,7 +99,7 @@ async def usage(plan: Annotated[Plan, Depends(current_plan)],
                  for w in report.windows],
         credit=sum(g.remaining for g in grants),
         grants=grants,
-        events=[SpendEventOut(request_id=e.request_id.partition(":")[2] or e.request_id,
+        events=[SpendEventOut(request_id=shown_id(e.request_id),
                               cost=e.cost, route=e.route, at=e.at_ms / 1000,
                               draws=[DrawOut(reference=r, tokens=n)
                                      for r, n in e.draws])

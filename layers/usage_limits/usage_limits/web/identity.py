@@ -171,3 +171,42 @@ def _new_request_id(request: Request) -> str:
     if isinstance(gateway_id, str) and gateway_id:
         return "r:" + gateway_id[:MAX_IDEMPOTENCY_KEY]
     return "g:" + uuid.uuid4().hex
+
+
+#: The prefixes ``request_id`` gives ids by their source: ``k:`` an Idempotency-Key, ``r:``
+#: API Gateway's request id, ``g:`` generated here. Only the ledger sees them.
+REQUEST_ID_PREFIXES = ("k:", "r:", "g:")
+
+
+def shown_id(request_id: str) -> str:
+    """The id users and support see for a ledger id: without its source prefix.
+
+    The response's ``X-Request-Id``, the error body's ``request_id``, ``GET /v1/usage`` and
+    the operator API all show this form, and a support refund accepts it.
+
+    Args:
+        request_id: an id as ``request_id`` made it (``k:...``, ``r:...``, ``g:...``).
+
+    Returns:
+        The id without its prefix (an id without a known prefix unchanged).
+    """
+    if request_id[:2] in REQUEST_ID_PREFIXES and len(request_id) > 2:
+        return request_id[2:]
+    return request_id
+
+
+def response_id(request: Request) -> str:
+    """The id a response carries (``X-Request-Id`` and the error body): ``shown_id`` of the
+    id the request's charge is tied to, even for a request that charges nothing.
+
+    A malformed Idempotency-Key (answered 400 by the route) gets API Gateway's id, or a
+    new one, so that answer too has an id to quote.
+    """
+    try:
+        return shown_id(request_id(request))
+    except InvalidRequest:
+        event = request.scope.get("aws.event") or {}
+        gateway_id = (event.get("requestContext") or {}).get("requestId")
+        if isinstance(gateway_id, str) and gateway_id:
+            return gateway_id[:MAX_IDEMPOTENCY_KEY]
+        return uuid.uuid4().hex

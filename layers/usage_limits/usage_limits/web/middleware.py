@@ -15,7 +15,9 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
    left before the deadline plus half the margin kept back for it; one that cannot finish
    in that time (Redis slow or unreachable) is kept and retried before the next request,
    so the invocation always ends before the Lambda is killed;
-6. turns any unhandled exception into the public 500 error body.
+6. turns any unhandled exception into the public 500 error body;
+7. gives every response the request's id in ``X-Request-Id`` (and every error body, through
+   ``errors.current_request_id``): the id ``GET /v1/usage`` lists and support refunds by.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ from ..deadline import deadline_scope, remaining_s, request_budget_s
 from . import events, identity, refunds
 from . import idempotency as idem
 from . import observability as obs
-from .errors import ApiError, error_response
+from .errors import ApiError, current_request_id, error_response
 from .guard import STATE_KEY, RequestState
 from .settings import settings
+
+#: The response header that carries the request's id (``identity.response_id``).
+REQUEST_ID_HEADER = b"x-request-id"
 
 
 class UsageLimitsMiddleware:
@@ -46,16 +51,22 @@ class UsageLimitsMiddleware:
             await self.app(scope, receive, send)
             return
         status = 0
+        rid = identity.response_id(Request(scope))
+        rid_header = (REQUEST_ID_HEADER, rid.encode())
 
         async def send_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                headers = [h for h in message.get("headers", []) if h[0] != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, rid_header]}
             await send(message)
 
+        token = current_request_id.set(rid)
         try:
             await self._serve(scope, receive, send_status)
         finally:
+            current_request_id.reset(token)
             await events.drain()
             obs.request_done(_route_key(scope), status or 500)
             obs.flush()

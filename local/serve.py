@@ -29,6 +29,7 @@ import os
 import re
 import socket
 import sys
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -176,6 +177,12 @@ class Dispatcher:
                     return (route_method, template), True
         return None, known
 
+    def allowed(self, path: str) -> list[str]:
+        """The methods some route serves on ``path`` (a 405's ``Allow``), sorted."""
+        methods = {m for m, p in self.routes if p == path}
+        methods.update(m for pattern, m, _ in self.templates if pattern.match(path))
+        return sorted(methods)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             message = await receive()
@@ -190,9 +197,16 @@ class Dispatcher:
         if app is None or route is None:
             from usage_limits.web.errors import error_response
 
-            status, code = (405, "method_not_allowed") if known else (404, "not_found")
-            await error_response(status, code, f"no route for {scope.get('method')} {path}")(
-                scope, receive, send)
+            headers = {"X-Request-Id": uuid.uuid4().hex}
+            if known:
+                allow = ", ".join(self.allowed(path))
+                status, code, message = (405, "method_not_allowed",
+                                         f"{path} answers {allow}, not {scope.get('method')}")
+                headers["Allow"] = allow
+            else:
+                status, code, message = 404, "not_found", f"no route for {path}"
+            await error_response(status, code, message, headers=headers,
+                                 request_id=headers["X-Request-Id"])(scope, receive, send)
             return
         # As API Gateway does, the request's time runs from its arrival, queueing included.
         from .lambda_events import FakeContext

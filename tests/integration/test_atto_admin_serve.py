@@ -133,3 +133,19 @@ def test_cli_changes_reach_the_users_next_request(served: Served) -> None:
     assert cli(served, "unsuspend", user, "--reason", "appeal")[0] == 0
     assert embed(served, user, plan="tiny").status_code == 200
     assert cli(served, "show", user)[1]["credit"] == 1
+
+
+def test_unknown_routes_and_methods_get_404_and_405_with_allow(served: Served) -> None:
+    """make serve answers an unknown path 404 and a known path's wrong method 405 with an
+    Allow header, both in the error shape with an X-Request-Id."""
+    missing = httpx.get(served.url + "/v1/nothing", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong = httpx.get(served.url + "/v1/structured", timeout=10)
+    assert wrong.status_code == 405
+    assert wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in wrong.json()["error"]["message"]
+    grants = httpx.get(served.url + "/admin/v1/users/alice/grants", timeout=10)
+    assert grants.status_code == 405 and grants.headers["allow"] == "POST"
+    for answer in (missing, wrong, grants):
+        assert answer.json()["error"]["request_id"] == answer.headers["x-request-id"]

@@ -52,6 +52,7 @@ COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _doc("invalid_request: malformed input"),
     401: _doc("unauthorized: no authenticated user"),
     413: _doc("payload_too_large: body above the cap"),
+    415: _doc("invalid_request: a body sent without Content-Type: application/json"),
     422: _doc("invalid_request: the body failed validation"),
     500: _doc("internal_error"),
     503: _doc("limiter_unavailable (Redis unreachable) or provider_busy"),
@@ -97,6 +98,15 @@ def _only_once_loaded(cls: Any) -> bool:
 _check_v1_models_only_once_loaded()
 
 
+def _is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type is JSON (``application/json`` or ``application/*+json``)."""
+    if content_type is None:
+        return False
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
 def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
     """A FastAPI app whose errors follow the public contract and whose charges are refunded."""
     app = FastAPI(title=title, version=version, responses=COMMON_RESPONSES, **kwargs)
@@ -108,9 +118,17 @@ def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         details = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
                    for e in exc.errors()]
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not _is_json(content_type) \
+                and any(d["loc"][:1] == ["body"] for d in details):
+            # FastAPI reads a body of another type (curl -d sends a form's) as bytes and
+            # reports "Input should be a valid dictionary", which does not say what to change.
+            return error_response(
+                415, "invalid_request", "the body must be JSON, sent with the header "
+                f"Content-Type: application/json (not {content_type[:64]!r})")
         return error_response(422, "invalid_request", "the request failed validation",
                               details=jsonable_encoder(details))
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
+from ..entitlements.plans import claim_names
 from .errors import Forbidden, InvalidRequest, Unauthorized
 from .settings import settings
 
@@ -106,7 +107,8 @@ def plan(request: Request, override: str | None = None) -> ResolvedPlan:
     """The caller's plan: ``override``, else the plan claim, else the default.
 
     A claim that names no plan gets the default plan and a warning in the log, never an
-    error: the token is valid, only its plan is unknown here.
+    error: the token is valid, only its plan is unknown here. The local ``X-Atto-Plan``
+    header is typed by hand, so one naming no plan is refused instead.
 
     Args:
         request: the request.
@@ -114,8 +116,18 @@ def plan(request: Request, override: str | None = None) -> ResolvedPlan:
 
     Returns:
         The plan and where it came from.
+
+    Raises:
+        InvalidRequest: in local mode, ``X-Atto-Plan`` names none of the plans (400).
     """
-    resolved = settings().plans.resolve(override=override, claim=plan_claim(request))
+    conf = settings()
+    plans = conf.plans
+    if conf.local:
+        header = request.headers.get(LOCAL_PLAN_HEADER)
+        if header is not None and not any(plans.get(n) for n in claim_names(header)):
+            raise InvalidRequest(f"X-Atto-Plan: {header[:64]!r} is not a plan here; the "
+                                 f"plans are {', '.join(plans.by_name)}")
+    resolved = plans.resolve(override=override, claim=plan_claim(request))
     if resolved.unknown_claim is not None:
         log.warning("plan claim names no plan; using the default plan",
                     extra={"claim": resolved.unknown_claim, "plan": resolved.plan.name})

@@ -83,7 +83,7 @@ invoke: $(STAMP) redis-server ## Invoke a function handler with an event: make i
 	$(PY) -m local.invoke $(FN) $(EVENT)
 
 .PHONY: admin
-admin: $(STAMP) ## Operator CLI: make admin ARGS="show alice" (ARGS="--url http://127.0.0.1:8000 ...").
+admin: $(STAMP) ## Operator CLI: make admin ARGS="show alice" (a running make serve, else ARGS="--stack NAME ...").
 	PYTHONPATH=tools$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m atto_admin $(ARGS)
 
 .PHONY: bench

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..exceptions import InvalidArgument, LimiterUnavailable, ProviderBusy
-from .errors import ApiError, error_response, retry_after_header
+from .errors import REFUNDED, ApiError, error_response, retry_after_header
 from .metering import MeteredRoute
 from .middleware import UsageLimitsMiddleware
 
@@ -63,7 +63,7 @@ METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
               "request costs more than a window of the plan allows (cost, limit, window_s "
               "in the body), so it can never be served: do not retry"),
     429: _doc("budget_exceeded: the token budget is spent; see Retry-After"),
-    502: _doc("provider_error: the upstream provider failed; tokens refunded"),
+    502: _doc(f"provider_error: the upstream provider failed; {REFUNDED}"),
 }
 
 
@@ -148,7 +148,7 @@ def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
     @app.exception_handler(ProviderBusy)
     async def provider_busy(_: Request, exc: ProviderBusy) -> JSONResponse:
         return error_response(503, "provider_busy",
-                              f"the {exc.provider} provider is at capacity; tokens refunded",
+                              f"the {exc.provider} provider is at capacity; {REFUNDED}",
                               headers=retry_after_header(exc.retry_after_s),
                               retry_after_s=round(exc.retry_after_s, 3), provider=exc.provider)
 

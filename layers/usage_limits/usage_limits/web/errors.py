@@ -105,10 +105,22 @@ class LimiterUnavailableError(ApiError):
     status, code = 503, "limiter_unavailable"
 
 
+#: How an upstream failure's message (502 provider_error, 503 provider_busy) says that the
+#: request cost nothing: the same words on every such answer.
+REFUNDED = "the tokens charged for this request were refunded"
+
+
 class ProviderError(ApiError):
-    """An upstream provider failed, timed out or answered something unusable."""
+    """An upstream provider failed, timed out or answered something unusable.
+
+    Its message ends with ``REFUNDED``: the middleware refunds every failed request.
+    """
 
     status, code = 502, "provider_error"
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.code, f"{self.message}; {REFUNDED}",
+                              headers=self.headers, **self.extra)
 
 
 def retry_after_header(seconds: float) -> dict[str, str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import os
 import re
 import socket
@@ -163,6 +164,7 @@ class Dispatcher:
                           for method, path in routes if "{" in path]
         self.concurrency = concurrency
         self._gate: asyncio.Semaphore | None = None
+        self._openapi: dict[str, Any] | None = None
 
     def match(self, method: str, path: str) -> tuple[tuple[str, str] | None, bool]:
         """The route key (method, template path) for a request, and whether the path is
@@ -183,6 +185,41 @@ class Dispatcher:
         methods.update(m for pattern, m, _ in self.templates if pattern.match(path))
         return sorted(methods)
 
+    def openapi(self) -> dict[str, Any]:
+        """One OpenAPI document for every function's routes (each app's own, merged)."""
+        if self._openapi is None:
+            merged: dict[str, Any] = {"openapi": "3.1.0", "info": {
+                "title": "Atto Cloud (local)", "version": "1.0.0",
+                "description": "Every function's routes as make serve mounts them. Locally the "
+                               "X-Atto-User header names the user; in AWS the JWT authorizer "
+                               "does (and IAM on /admin/v1/)."}, "paths": {}}
+            schemas: dict[str, Any] = {}
+            for n, app in enumerate(dict.fromkeys(self.routes.values())):  # each app once
+                document = _without_collisions(app.openapi(), schemas, f"_{n}")
+                for path, item in document.get("paths", {}).items():
+                    merged["paths"].setdefault(path, {}).update(
+                        {m: op for m, op in item.items() if (m.upper(), path) in self.routes})
+                schemas.update(document.get("components", {}).get("schemas", {}))
+            merged["components"] = {"schemas": dict(sorted(schemas.items()))}
+            self._openapi = merged
+        return self._openapi
+
+    async def _documentation(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Answer ``GET /openapi.json`` and ``GET /docs``; False for any other request."""
+        if scope.get("method") not in ("GET", "HEAD") or scope.get("path") not in (
+                "/openapi.json", "/docs"):
+            return False
+        from fastapi.openapi.docs import get_swagger_ui_html
+        from starlette.responses import JSONResponse
+
+        if scope["path"] == "/openapi.json":
+            response: Any = JSONResponse(self.openapi())
+        else:
+            response = get_swagger_ui_html(openapi_url="/openapi.json",
+                                           title="Atto Cloud (local)")
+        await response(scope, receive, send)
+        return True
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             message = await receive()
@@ -190,6 +227,8 @@ class Dispatcher:
                 await send({"type": message["type"] + ".complete"})
                 message = await receive()
             await send({"type": "lifespan.shutdown.complete"})
+            return
+        if await self._documentation(scope, receive, send):
             return
         path = scope.get("path", "")
         route, known = self.match(scope.get("method", ""), path)
@@ -222,6 +261,27 @@ class Dispatcher:
         # one request at a time, as in one Lambda environment
         async with self._gate, self.environments.enter(route):
             await app(scope, receive, send)
+
+
+def _without_collisions(document: dict[str, Any], schemas: Mapping[str, Any],
+                        suffix: str) -> dict[str, Any]:
+    """``document`` with each schema whose name ``schemas`` already holds for another
+    schema renamed (``suffix`` appended), its references with it (two functions may each
+    have a model of the same name)."""
+    own = document.get("components", {}).get("schemas", {})
+    clashing = [name for name, schema in own.items()
+                if name in schemas and schemas[name] != schema]
+    if not clashing:
+        return document
+    text = json.dumps(document)
+    for name in clashing:
+        text = text.replace(f'"#/components/schemas/{name}"',
+                            f'"#/components/schemas/{name}{suffix}"')
+    renamed: dict[str, Any] = json.loads(text)
+    found = renamed["components"]["schemas"]
+    for name in clashing:
+        found[name + suffix] = found.pop(name)
+    return renamed
 
 
 def _template_pattern(path: str) -> re.Pattern[str]:
@@ -303,6 +363,8 @@ def main() -> int:
                 print(f"  {name}={started[name]} (started for this session)")
         for fn in functions():
             print(f"  {fn.method:5} {url}{fn.path}")
+        print(f"  API docs: {url}/docs (OpenAPI: {url}/openapi.json)")
+        print("  State (budgets, grants, audit) is in memory: it goes when this stops.")
         print("Try:\n"
               f"  curl -i -X POST {url}/v1/structured -H 'X-Atto-User: alice' "
               "-H 'Content-Type: application/json' \\\n"

@@ -233,3 +233,49 @@ def test_an_ended_suspension_reads_as_ended(served: Served) -> None:
     assert code == 0
     line = next(ln for ln in out.splitlines() if ln.startswith("suspended"))
     assert line.startswith("suspended no (") and "ended at" in line and "until" not in line
+
+
+def test_local_mode_prints_each_event_it_would_publish(served: Served) -> None:
+    """Under make serve a charge crossing 80% of a window prints one marked line with the
+    event's detail-type and detail, as a deployed stack would publish it."""
+    user = "evt-" + uuid.uuid4().hex[:8]
+    assert [embed(served, user, plan="free").status_code for _ in range(4)] == [200] * 4
+    deadline = time.monotonic() + 10
+    lines: list[str] = []
+    while not lines and time.monotonic() < deadline:
+        lines = [ln for ln in served.log.read_text().splitlines()
+                 if ln.startswith("[event, local: not published] Atto Usage Threshold ")
+                 and f'"user":"{user}"' in ln]
+        time.sleep(0.1)
+    assert len(lines) == 1, served.log.read_text()[-2000:]
+    detail = json.loads(lines[0].split(" Atto Usage Threshold ", 1)[1])
+    assert detail == {"user": user, "plan": "free", "window_s": 3600, "threshold": 80,
+                      "used": 4, "limit": 5}
+
+
+def test_the_local_dynamodb_keeps_its_access_log_out_of_the_terminal(served: Served) -> None:
+    """After operator changes (DynamoDB writes, some refused by their conditions) make
+    serve's output holds no access-log line of the local DynamoDB."""
+    user = "quiet-" + uuid.uuid4().hex[:8]
+    args = ("grant", "add", user, "--tokens", "5", "--kind", "promo", "--reference", "q-1",
+            "--reason", "r")
+    assert cli(served, *args)[0] == 0 and cli(served, *args)[0] == 0
+    access = [ln for ln in served.log.read_text().splitlines() if '"POST / HTTP/1.1"' in ln]
+    assert access == []
+
+
+def test_make_serve_serves_one_openapi_document_and_its_docs_page(served: Served) -> None:
+    """GET /openapi.json is a valid OpenAPI document with every route of template.yaml
+    (each with its method only) and GET /docs is the Swagger UI page that loads it."""
+    from openapi_spec_validator import validate
+
+    from local.template import functions
+
+    document = httpx.get(served.url + "/openapi.json", timeout=30).json()
+    validate(document)
+    routes = {(fn.method.lower(), fn.path) for fn in functions()}
+    served_routes = {(m, p) for p, item in document["paths"].items() for m in item}
+    assert served_routes == routes
+    page = httpx.get(served.url + "/docs", timeout=10)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "/openapi.json" in page.text

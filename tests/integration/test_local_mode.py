@@ -62,6 +62,18 @@ def test_invoke_with_a_missing_event_file_is_one_line_and_exit_2() -> None:
     assert "Traceback" not in out.stderr
 
 
+def test_invoke_with_a_misspelt_function_lists_each_function_once() -> None:
+    """`make invoke FN=structurd` says the name is unknown and lists every function once
+    (admin serves several routes), in one line, exit status 2."""
+    out = serving.invoke("structurd", "events/structured.json")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'structurd'" in lines[0], out.stderr
+    known = lines[0].split("known: ", 1)[1].split(", ")
+    assert known == sorted(set(known)) and "admin" in known and "structured" in known
+    assert len(known) == len({fn.code_dir for fn in functions()})
+
+
 def test_invoke_with_an_event_that_is_not_json_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """An EVENT file that is not a JSON object is refused in one line with exit status 2."""
     event = tmp_path / "broken.json"

@@ -161,18 +161,23 @@ def test_emulator_with_its_port_taken_says_so_before_any_banner() -> None:
                         out.stderr), out.stderr
 
 
-@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+@pytest.mark.parametrize("content_type",
+                         ["application/x-www-form-urlencoded", "text/plain", None])
 def test_a_body_not_sent_as_json_gets_415_naming_the_header(
-        content_type: str, redis_server: RedisServer, lambda_env: StartEnvironment) -> None:
-    """A JSON body sent with another Content-Type (curl -d without -H) gets 415 whose message
-    names Content-Type: application/json, and nothing is charged."""
+        content_type: str | None, redis_server: RedisServer,
+        lambda_env: StartEnvironment) -> None:
+    """A JSON body sent with another Content-Type (curl -d without -H) or none gets 415
+    whose message names Content-Type: application/json, and nothing is charged."""
     lambda_env({"ATTO_ENV": "local", "REDIS_URL": redis_server.url})
     structured = importlib.import_module("functions.structured.app").handler
     usage = importlib.import_module("functions.usage.app").handler
-    user = f"ct-{content_type.replace('/', '-')}"
-    res = invoke(structured, http_event("POST", "/v1/structured", user=user,
-                                        body={"prompt": "x", "schema": {"type": "string"}},
-                                        headers={"Content-Type": content_type}))
+    user = f"ct-{str(content_type).replace('/', '-')}"
+    event = http_event("POST", "/v1/structured", user=user,
+                       body={"prompt": "x", "schema": {"type": "string"}},
+                       headers={"Content-Type": content_type or ""})
+    if content_type is None:
+        del event["headers"]["content-type"]
+    res = invoke(structured, event)
     assert res.status == 415, res.body
     assert res.body["error"]["code"] == "invalid_request"
     assert "Content-Type: application/json" in res.body["error"]["message"]

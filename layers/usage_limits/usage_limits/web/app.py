@@ -122,13 +122,13 @@ def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
         details = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
                    for e in exc.errors()]
         content_type = request.headers.get("content-type")
-        if content_type is not None and not _is_json(content_type) \
-                and any(d["loc"][:1] == ["body"] for d in details):
-            # FastAPI reads a body of another type (curl -d sends a form's) as bytes and
-            # reports "Input should be a valid dictionary", which does not say what to change.
+        if not _is_json(content_type) and any(d["loc"][:1] == ["body"] for d in details):
+            # FastAPI reads a body sent without a JSON type (curl -d sends a form's) as bytes
+            # and reports "Input should be a valid dictionary": say what to change instead.
+            sent = "none" if content_type is None else repr(content_type[:64])
             return error_response(
                 415, "invalid_request", "the body must be JSON, sent with the header "
-                f"Content-Type: application/json (not {content_type[:64]!r})")
+                f"Content-Type: application/json (this request's: {sent})")
         return error_response(422, "invalid_request", "the request failed validation",
                               details=jsonable_encoder(details))
 

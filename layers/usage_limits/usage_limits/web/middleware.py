@@ -93,7 +93,7 @@ class UsageLimitsMiddleware:
                    state: RequestState) -> None:
         started = time.perf_counter()
         log = obs.logger()
-        log.append_keys(request_id=_request_id(scope),
+        log.append_keys(request_id=_request_id(scope), x_request_id=current_request_id.get(),
                         route=f"{scope.get('method')} {scope.get('path')}", user=None)
         if refunds.pending():
             await refunds.retry()

@@ -1,5 +1,7 @@
 """The operator API under /admin/v1/: plans, grants, refunds and suspensions of one user.
 
+Every instant in an answer is an RFC 3339 UTC string (``iso``), audit details included.
+
 Authorized by IAM (the HTTP API's ``AWS_IAM`` on these routes only; a user's JWT never
 reaches them), except in local mode, where nothing signs and the operator is ``local``.
 Every change needs a reason and is audited with the caller's IAM principal.
@@ -267,8 +269,24 @@ async def audit(ops: Ops, _: Actor,
                 limit: Annotated[int, Query(ge=1, le=MAX_AUDIT)] = 50) -> dict[str, Any]:
     """Operator actions, newest first: one user's, or everyone's."""
     entries = await ops.audit(user_id, limit=limit)
-    return {"entries": [{"user_id": e.user_id, "action": e.action, "details": e.details,
-                         **_change(e.change)} for e in entries]}
+    return {"entries": [{"user_id": e.user_id, "action": e.action,
+                         "details": details_out(e.details), **_change(e.change)}
+                        for e in entries]}
+
+
+def details_out(details: dict[str, Any]) -> dict[str, Any]:
+    """An audit entry's details as the API shows them: an instant the store keeps in ms
+    (``expires_at_ms``, ``until_ms``) as RFC 3339 under its name without ``_ms``, a request
+    id as the user sees it."""
+    out: dict[str, Any] = {}
+    for key, value in details.items():
+        if key.endswith("_ms") and (value is None or isinstance(value, int)):
+            out[key.removesuffix("_ms")] = iso(value)
+        elif key == "request_id" and isinstance(value, str):
+            out[key] = shown_id(value)
+        else:
+            out[key] = value
+    return out
 
 
 handler = lambda_handler(app)

@@ -279,3 +279,18 @@ def test_make_serve_serves_one_openapi_document_and_its_docs_page(served: Served
     page = httpx.get(served.url + "/docs", timeout=10)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "/openapi.json" in page.text
+
+
+def test_audit_lines_show_details_as_pairs_with_rfc3339_instants(served: Served) -> None:
+    """The readable audit prints each entry's details as key=value pairs, a grant's expiry as
+    RFC 3339, never a Python dict or epoch milliseconds."""
+    user = "aud-" + uuid.uuid4().hex[:8]
+    assert cli(served, "grant", "add", user, "--tokens", "5", "--kind", "promo",
+               "--reference", "camp-a", "--expires-at", "2099-01-31T00:00:00Z",
+               "--reason", "welcome")[0] == 0
+    code, out, _ = cli(served, "audit", "--user", user, json_out=False)
+    assert code == 0
+    (line,) = out.strip().splitlines()
+    assert line.endswith("expires_at=2099-01-31T00:00:00.000Z kind=promo reference=camp-a "
+                         "tokens=5"), line
+    assert "{" not in line and "_ms" not in line

@@ -179,6 +179,30 @@ def test_support_refund_gives_the_charge_back_at_most_once(env: str) -> None:
     assert unknown.status == 404
 
 
+def test_audit_details_write_instants_as_rfc3339(env: str) -> None:
+    """The audit's details show a grant's expiry and a suspension's end as RFC 3339 UTC
+    strings (no epoch milliseconds) and a refunded request's id as the user saw it."""
+    user = uuid.uuid4().hex
+    assert call("POST", f"/admin/v1/users/{user}/grants",
+                {"tokens": 5, "kind": "promo", "reference": "camp-t", "reason": "r",
+                 "expires_at": "2099-01-31T00:00:00Z"}).status == 201
+    assert call("PUT", f"/admin/v1/users/{user}/suspension",
+                {"reason": "r", "until": "2099-02-01T12:00:00+02:00"}).status == 200
+    assert call("DELETE", f"/admin/v1/users/{user}/suspension", {"reason": "r"}).status == 200
+    event = http_event("POST", "/v1/embeddings", body={"input": ["x"]}, user=user,
+                       request_id="gw-audit-1")
+    assert invoke(embeddings.handler, event).status == 200
+    assert call("POST", f"/admin/v1/users/{user}/refunds",
+                {"request_id": "gw-audit-1", "reason": "r"}).status == 201
+    entries = call("GET", "/admin/v1/audit", query={"user_id": user}).body["entries"]
+    details = {e["action"]: e["details"] for e in entries}
+    assert details["grant.create"] == {"reference": "camp-t", "tokens": 5, "kind": "promo",
+                                       "expires_at": "2099-01-31T00:00:00.000Z"}
+    assert details["suspension.set"] == {"until": "2099-02-01T10:00:00.000Z"}
+    assert details["refund"] == {"request_id": "gw-audit-1", "tokens": 1}
+    assert "_ms" not in json.dumps(entries)
+
+
 @pytest.mark.parametrize("key", [None, "retry-7f3a"])
 def test_the_id_a_response_shows_is_the_one_usage_and_support_use(env: str,
                                                                    key: str | None) -> None:

@@ -45,7 +45,14 @@ def _audit(a: dict[str, Any]) -> str:
     if not a["entries"]:
         return "no operator actions"
     return "\n".join(f"{e['at']}  {e['user_id']:<20} {e['action']:<16} by {e['by']}: "
-                     f"{e['reason']}  {e['details'] or ''}".rstrip() for e in a["entries"])
+                     f"{e['reason']}  {_details(e['details'])}".rstrip() for e in a["entries"])
+
+
+def _details(details: Any) -> str:
+    """An audit entry's details as ``key=value`` pairs (none shown as ``-``)."""
+    if not isinstance(details, dict):
+        return str(details or "")
+    return " ".join(f"{k}={'-' if v is None else v}" for k, v in sorted(details.items()))
 
 
 def error_lines(status: int, code: str, message: str, body: Any) -> list[str]:

@@ -23,6 +23,7 @@ help: ## Show this help.
 
 $(STAMP): pyproject.toml client/pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found (set PYTHON=...)"; exit 1; }
+	@echo "make: installing the project and its pinned packages into $(VENV) (once; about 80 s)"
 	$(PYTHON) -m venv $(VENV)
 	@# -qq: errors only (pip's index and build warnings would fill the first screen)
 	$(PY) -m pip install -qq pip==$(PIP_VERSION)
@@ -66,7 +67,7 @@ redis-server: ## Install Debian's redis-server when it is missing.
 TEST_WORKERS ?= 2
 
 .PHONY: test
-test: $(STAMP) redis-server tools checkov-tools ## Run every test: TEST_WORKERS=2 workers, then the timing tests alone (Redis 7 and Valkey 8).
+test: $(STAMP) redis-server tools checkov-tools ## Every test, 9-15 min: TEST_WORKERS=2 workers, then the timing tests alone (Redis 7 and Valkey 8).
 	@status=0; \
 	echo "$(PY) -m pytest -n $(TEST_WORKERS) -m 'not timing'"; \
 	$(PY) -m pytest -n $(TEST_WORKERS) -m 'not timing' || status=$$?; \
@@ -89,6 +90,18 @@ test-py312: ## On CPython 3.12 (Lambda's), when the machine has one: the unit te
 	$(VENV312)/bin/python -m pip install -qq -c $(LOCK) -e '.[dev]' -e ./client; \
 	$(VENV312)/bin/python -m pytest -n $(TEST_WORKERS) -m 'not timing' -p no:cacheprovider tests/unit
 
+# `make test-quick`: the fast part, for the edit-test loop: the unit and client tests and
+# every function and web-layer test in process, on Redis 7 standalone; no cluster, no
+# multi-process or end-to-end (`slow`) or timing tests, nothing that needs the SAM or checkov
+# venvs. About 1-2 minutes on 2 cores.
+QUICK_TESTS := tests/unit tests/client tests/integration/test_fn_*.py tests/integration/test_web_*.py
+
+.PHONY: test-quick
+test-quick: $(STAMP) redis-server ## The fast part of the tests, about 1-2 minutes (make test runs all of it).
+	$(PY) -m pytest -n $(TEST_WORKERS) -m 'not slow and not timing and not cluster' --engine redis7 \
+	  --deselect tests/unit/test_template.py::test_checkov_passes_with_a_reason_for_every_skip \
+	  $(QUICK_TESTS)
+
 .PHONY: serve
 serve: $(STAMP) redis-server ## Run the API locally (PORT=8000, WORKERS=1).
 	$(PY) -m local.serve
@@ -98,7 +111,7 @@ invoke: $(STAMP) redis-server ## Invoke a function handler with an event: make i
 	$(PY) -m local.invoke $(FN) $(EVENT)
 
 .PHONY: admin
-admin: $(STAMP) ## Operator CLI: make admin ARGS="show alice" (ARGS="--url http://127.0.0.1:8000 ...").
+admin: $(STAMP) ## Operator CLI: make admin ARGS="show alice" (a running make serve, else ARGS="--stack NAME ...").
 	PYTHONPATH=tools$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m atto_admin $(ARGS)
 
 .PHONY: bench

@@ -79,6 +79,13 @@ def _serial_moto_server(**kwargs: object) -> Any:
     )
     from werkzeug.serving import make_server
 
+    class Quiet(MotoRequestHandler):  # type: ignore[misc]
+        """No access log: one line per request (red for a conditional write refused, which
+        is normal here) would flood the make serve terminal. Errors are still logged."""
+
+        def log_request(self, *args: object) -> None:
+            pass
+
     class Serial(ThreadedMotoServer):  # type: ignore[misc]
         def _server_entry(self) -> None:
             app = DomainDispatcherApplication(create_backend_app)
@@ -89,7 +96,7 @@ def _serial_moto_server(**kwargs: object) -> Any:
                     return list(app(environ, start_response))
 
             self._server = make_server(self._ip_address, self._port, serial, True,
-                                       request_handler=MotoRequestHandler)
+                                       request_handler=Quiet)
             self._server_ready_event.set()
             self._server.serve_forever()
 

@@ -90,8 +90,10 @@ def main(argv: list[str]) -> int:
 
     spec = next((fn for fn in functions() if fn.code_dir.rstrip("/").endswith("/" + name)), None)
     if spec is None:
-        known = ", ".join(sorted(fn.code_dir.rstrip("/").rsplit("/", 1)[-1] for fn in functions()))
-        print(f"unknown function {name!r}; known: {known}", file=sys.stderr)
+        # one function serves several routes (admin): each name once
+        names = {fn.code_dir.rstrip("/").rsplit("/", 1)[-1] for fn in functions()}
+        print(f"make invoke: unknown function {name!r}; known: {', '.join(sorted(names))}",
+              file=sys.stderr)
         return 2
     try:
         event = load_event(event_path)

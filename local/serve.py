@@ -25,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import os
 import re
 import socket
 import sys
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -162,6 +164,7 @@ class Dispatcher:
                           for method, path in routes if "{" in path]
         self.concurrency = concurrency
         self._gate: asyncio.Semaphore | None = None
+        self._openapi: dict[str, Any] | None = None
 
     def match(self, method: str, path: str) -> tuple[tuple[str, str] | None, bool]:
         """The route key (method, template path) for a request, and whether the path is
@@ -176,6 +179,47 @@ class Dispatcher:
                     return (route_method, template), True
         return None, known
 
+    def allowed(self, path: str) -> list[str]:
+        """The methods some route serves on ``path`` (a 405's ``Allow``), sorted."""
+        methods = {m for m, p in self.routes if p == path}
+        methods.update(m for pattern, m, _ in self.templates if pattern.match(path))
+        return sorted(methods)
+
+    def openapi(self) -> dict[str, Any]:
+        """One OpenAPI document for every function's routes (each app's own, merged)."""
+        if self._openapi is None:
+            merged: dict[str, Any] = {"openapi": "3.1.0", "info": {
+                "title": "Atto Cloud (local)", "version": "1.0.0",
+                "description": "Every function's routes as make serve mounts them. Locally the "
+                               "X-Atto-User header names the user; in AWS the JWT authorizer "
+                               "does (and IAM on /admin/v1/)."}, "paths": {}}
+            schemas: dict[str, Any] = {}
+            for n, app in enumerate(dict.fromkeys(self.routes.values())):  # each app once
+                document = _without_collisions(app.openapi(), schemas, f"_{n}")
+                for path, item in document.get("paths", {}).items():
+                    merged["paths"].setdefault(path, {}).update(
+                        {m: op for m, op in item.items() if (m.upper(), path) in self.routes})
+                schemas.update(document.get("components", {}).get("schemas", {}))
+            merged["components"] = {"schemas": dict(sorted(schemas.items()))}
+            self._openapi = merged
+        return self._openapi
+
+    async def _documentation(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Answer ``GET /openapi.json`` and ``GET /docs``; False for any other request."""
+        if scope.get("method") not in ("GET", "HEAD") or scope.get("path") not in (
+                "/openapi.json", "/docs"):
+            return False
+        from fastapi.openapi.docs import get_swagger_ui_html
+        from starlette.responses import JSONResponse
+
+        if scope["path"] == "/openapi.json":
+            response: Any = JSONResponse(self.openapi())
+        else:
+            response = get_swagger_ui_html(openapi_url="/openapi.json",
+                                           title="Atto Cloud (local)")
+        await response(scope, receive, send)
+        return True
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             message = await receive()
@@ -184,15 +228,24 @@ class Dispatcher:
                 message = await receive()
             await send({"type": "lifespan.shutdown.complete"})
             return
+        if await self._documentation(scope, receive, send):
+            return
         path = scope.get("path", "")
         route, known = self.match(scope.get("method", ""), path)
         app = self.routes.get(route) if route is not None else None
         if app is None or route is None:
             from usage_limits.web.errors import error_response
 
-            status, code = (405, "method_not_allowed") if known else (404, "not_found")
-            await error_response(status, code, f"no route for {scope.get('method')} {path}")(
-                scope, receive, send)
+            headers = {"X-Request-Id": uuid.uuid4().hex}
+            if known:
+                allow = ", ".join(self.allowed(path))
+                status, code, message = (405, "method_not_allowed",
+                                         f"{path} answers {allow}, not {scope.get('method')}")
+                headers["Allow"] = allow
+            else:
+                status, code, message = 404, "not_found", f"no route for {path}"
+            await error_response(status, code, message, headers=headers,
+                                 request_id=headers["X-Request-Id"])(scope, receive, send)
             return
         # As API Gateway does, the request's time runs from its arrival, queueing included.
         from .lambda_events import FakeContext
@@ -208,6 +261,27 @@ class Dispatcher:
         # one request at a time, as in one Lambda environment
         async with self._gate, self.environments.enter(route):
             await app(scope, receive, send)
+
+
+def _without_collisions(document: dict[str, Any], schemas: Mapping[str, Any],
+                        suffix: str) -> dict[str, Any]:
+    """``document`` with each schema whose name ``schemas`` already holds for another
+    schema renamed (``suffix`` appended), its references with it (two functions may each
+    have a model of the same name)."""
+    own = document.get("components", {}).get("schemas", {})
+    clashing = [name for name, schema in own.items()
+                if name in schemas and schemas[name] != schema]
+    if not clashing:
+        return document
+    text = json.dumps(document)
+    for name in clashing:
+        text = text.replace(f'"#/components/schemas/{name}"',
+                            f'"#/components/schemas/{name}{suffix}"')
+    renamed: dict[str, Any] = json.loads(text)
+    found = renamed["components"]["schemas"]
+    for name in clashing:
+        found[name + suffix] = found.pop(name)
+    return renamed
 
 
 def _template_pattern(path: str) -> re.Pattern[str]:
@@ -289,6 +363,8 @@ def main() -> int:
                 print(f"  {name}={started[name]} (started for this session)")
         for fn in functions():
             print(f"  {fn.method:5} {url}{fn.path}")
+        print(f"  API docs: {url}/docs (OpenAPI: {url}/openapi.json)")
+        print("  State (budgets, grants, audit) is in memory: it goes when this stops.")
         print("Try:\n"
               f"  curl -i -X POST {url}/v1/structured -H 'X-Atto-User: alice' "
               "-H 'Content-Type: application/json' \\\n"

@@ -5,7 +5,8 @@ offline provider emulator is started and every provider's base URL and key point
 with ``ATTO_ENTITLEMENTS_TABLE`` unset a local DynamoDB (moto's server) with the
 entitlements table is started; with neither ``ATTO_PLANS`` nor ``ATTO_BUDGET`` set, the
 plans are ``LOCAL_PLANS``: the usual budget as the default plan, and a ``free`` plan with a
-small monthly quota (chosen with ``X-Atto-Plan: free``) to try credit grants on.
+small monthly quota (chosen with ``X-Atto-Plan: free``) to try credit grants on, and a
+larger ``pro`` plan for an operator to give.
 Local mode (``ATTO_ENV=local``) is always on here.
 """
 
@@ -43,8 +44,9 @@ LOCAL_DEFAULTS = {"LOG_LEVEL": "WARNING", "POWERTOOLS_METRICS_DISABLED": "true",
 
 #: The plans of the local stack when the shell defines none: ``default`` is the usual
 #: ATTO_BUDGET (every example's plan); ``free`` runs out of its 30-day quota after 24
-#: tokens, so a grant's draws can be seen within minutes (README, docs/entitlements.md).
-LOCAL_PLANS = "default=100/1h,1000/30d;free=100/1h,24/30d"
+#: tokens, so a grant's draws can be seen within minutes (README, docs/entitlements.md);
+#: ``pro`` is the plan docs/operator.md's examples give a user.
+LOCAL_PLANS = "default=100/1h,1000/30d;free=100/1h,24/30d;pro=400/1h,20000/30d"
 
 
 def _emulator_port(env: dict[str, str]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from .ratelimit import RateLimitStatus
@@ -375,7 +376,8 @@ class MarketContext:
 
 @dataclass(frozen=True)
 class UsageWindow:
-    """One window of the plan: ``resets_at`` is the Unix time its oldest charge leaves it."""
+    """One window of the plan: ``resets_at`` is when its oldest charge leaves it, as Unix
+    time (the server's RFC 3339 string, read), None when the window holds no charge."""
 
     limit: int
     used: int
@@ -390,7 +392,7 @@ class SpendEvent:
 
     Attributes:
         request_id: the ``Idempotency-Key`` (or request id) it is tied to.
-        at: Unix time of the charge.
+        at: when the charge was made, as Unix time (the server's RFC 3339 string, read).
         from_grants: tokens of it drawn from credit grants, when the server reports it.
         draws: (grant reference, tokens) for each grant it drew from, in draw order.
     """
@@ -409,8 +411,10 @@ class SpendEvent:
         from_grants = _int(e.get("from_grants"))
         if from_grants is None and "draws" in e:
             from_grants = sum(n for _, n in draws)
-        return cls(e["request_id"], int(e["cost"]), e["route"], float(e["at"]), from_grants,
-                   draws)
+        at = _instant(e["at"])
+        if at is None:
+            raise ValueError(f"a spend event's at is not an instant: {e['at']!r}")
+        return cls(e["request_id"], int(e["cost"]), e["route"], at, from_grants, draws)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -445,7 +449,7 @@ class Usage:
         return cls(
             user_id=obj["user_id"],
             windows=tuple(UsageWindow(int(w["limit"]), int(w["used"]), int(w["remaining"]),
-                                      int(w["window_s"]), _float(w.get("resets_at")))
+                                      int(w["window_s"]), _instant(w.get("resets_at")))
                           for w in obj["windows"]),
             events=tuple(SpendEvent.from_json(e) for e in obj["events"]),
             prices={str(k): v if isinstance(v, int) else str(v)
@@ -464,6 +468,19 @@ def _float(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
+
+
+def _instant(value: Any) -> float | None:
+    """An instant of a body as Unix time: the server writes RFC 3339 UTC strings
+    (``2026-12-02T16:51:27.123Z``); a number (an older server's Unix time) is taken as is.
+    Anything else is None."""
+    if isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+        return moment.timestamp() if moment.tzinfo is not None else None
+    return _float(value)
 
 
 def _str(value: Any) -> str | None:

@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -200,11 +201,18 @@ class MockApi:
             used = sum(c.cost for c in charges)
             windows.append({"limit": limit, "used": used, "remaining": max(0, limit - used),
                             "window_s": window_s,
-                            "resets_at": charges[0].at + window_s if charges else None})
+                            "resets_at": _rfc3339(charges[0].at + window_s) if charges
+                            else None})
         return {"user_id": self.user_id, "windows": windows,
-                "events": [{"request_id": c.key, "cost": c.cost, "route": c.route, "at": c.at}
-                           for c in reversed(self.charges)],
+                "events": [{"request_id": c.key, "cost": c.cost, "route": c.route,
+                            "at": _rfc3339(c.at)} for c in reversed(self.charges)],
                 "prices": dict(PRICES)}
+
+
+def _rfc3339(unix_s: float) -> str:
+    """Unix time as the server writes an instant: RFC 3339 UTC, milliseconds, ``Z``."""
+    moment = datetime.fromtimestamp(unix_s, tz=UTC).isoformat(timespec="milliseconds")
+    return moment.replace("+00:00", "Z")
 
 
 def _label(seconds: int) -> str:

@@ -1,5 +1,7 @@
 """The operator API under /admin/v1/: plans, grants, refunds and suspensions of one user.
 
+Every instant in an answer is an RFC 3339 UTC string (``iso``), audit details included.
+
 Authorized by IAM (the HTTP API's ``AWS_IAM`` on these routes only; a user's JWT never
 reaches them), except in local mode, where nothing signs and the operator is ``local``.
 Every change needs a reason and is audited with the caller's IAM principal.
@@ -25,7 +27,7 @@ from usage_limits.entitlements.store import MAX_AUDIT, default_store
 from usage_limits.exceptions import InvalidArgument
 from usage_limits.web import ApiError, ErrorBody, create_app, lambda_handler, settings
 from usage_limits.web.errors import error_response, retry_after_header
-from usage_limits.web.identity import operator_principal
+from usage_limits.web.identity import operator_principal, shown_id
 from usage_limits.web.runtime import get_budget, get_entitlements
 
 app = create_app("Atto Cloud: operator API")
@@ -177,7 +179,7 @@ def picture_out(p: Picture) -> dict[str, Any]:
         "grants": grants,
         "credit": sum(g["remaining"] for g in grants if g["live"]),
         "suspension": suspension_out(p.entitlements.suspension, p.now_ms),
-        "events": [{"request_id": e.request_id, "cost": e.cost, "route": e.route,
+        "events": [{"request_id": shown_id(e.request_id), "cost": e.cost, "route": e.route,
                     "at": iso(e.at_ms),
                     "draws": [{"reference": r, "tokens": n} for r, n in e.draws]}
                    for e in p.events],
@@ -240,7 +242,7 @@ async def refund(user_id: UserId, body: RefundIn, ops: Ops, actor: Actor) -> JSO
     """Refund one charge, at most once (a second call returns the first refund, 200)."""
     done, created = await ops.refund(user_id, body.request_id, actor=actor, reason=body.reason)
     return JSONResponse({"user_id": user_id, "created": created,
-                         "refund": {"request_id": done.request_id, "tokens": done.tokens,
+                         "refund": {"request_id": shown_id(done.request_id), "tokens": done.tokens,
                                     **_change(done.change)}},
                         status_code=201 if created else 200)
 
@@ -271,8 +273,24 @@ async def audit(ops: Ops, _: Actor,
                 limit: Annotated[int, Query(ge=1, le=MAX_AUDIT)] = 50) -> dict[str, Any]:
     """Operator actions, newest first: one user's, or everyone's."""
     entries = await ops.audit(user_id, limit=limit)
-    return {"entries": [{"user_id": e.user_id, "action": e.action, "details": e.details,
-                         **_change(e.change)} for e in entries]}
+    return {"entries": [{"user_id": e.user_id, "action": e.action,
+                         "details": details_out(e.details), **_change(e.change)}
+                        for e in entries]}
+
+
+def details_out(details: dict[str, Any]) -> dict[str, Any]:
+    """An audit entry's details as the API shows them: an instant the store keeps in ms
+    (``expires_at_ms``, ``until_ms``) as RFC 3339 under its name without ``_ms``, a request
+    id as the user sees it."""
+    out: dict[str, Any] = {}
+    for key, value in details.items():
+        if key.endswith("_ms") and (value is None or isinstance(value, int)):
+            out[key.removesuffix("_ms")] = iso(value)
+        elif key == "request_id" and isinstance(value, str):
+            out[key] = shown_id(value)
+        else:
+            out[key] = value
+    return out
 
 
 handler = lambda_handler(app)

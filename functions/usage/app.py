@@ -1,4 +1,8 @@
-"""GET /v1/usage: the caller's budget, recent spend and the price of every route (free)."""
+"""GET /v1/usage: the caller's budget, recent spend and the price of every route (free).
+
+Every instant in the answer is an RFC 3339 UTC string (``iso``); durations are numbers
+with their unit in the name (``window_s``).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pydantic import BaseModel, Field
 from usage_limits.entitlements import Plan, iso
 from usage_limits.web import create_app, current_user, lambda_handler
 from usage_limits.web.guard import current_plan, read_usage
+from usage_limits.web.identity import shown_id
 
 app = create_app("Atto Cloud: usage")
 
@@ -35,9 +40,10 @@ class WindowOut(BaseModel):
     used: int = Field(description="Tokens spent in the window.")
     remaining: int
     window_s: int = Field(description="Length of the sliding window in seconds.")
-    resets_at: float | None = Field(
-        description="Unix time when the oldest charge in the window leaves it, giving its "
-                    "tokens back; null when the window holds no charge (nothing to wait for).")
+    resets_at: str | None = Field(
+        description="When the oldest charge in the window leaves it, giving its tokens back "
+                    "(RFC 3339, UTC); null when the window holds no charge (nothing to wait "
+                    "for).")
 
 
 class DrawOut(BaseModel):
@@ -46,10 +52,11 @@ class DrawOut(BaseModel):
 
 
 class SpendEventOut(BaseModel):
-    request_id: str
+    request_id: str = Field(description="The request's id, as its X-Request-Id header "
+                                        "showed it: the id support refunds by.")
     cost: int
     route: str
-    at: float = Field(description="Unix time of the charge.")
+    at: str = Field(description="When the charge was made (RFC 3339, UTC).")
     draws: list[DrawOut] = Field(
         default_factory=list,
         description="How much of the cost came from which credit grant (empty: all of it "
@@ -61,7 +68,7 @@ class GrantOut(BaseModel):
     kind: str = Field(description="paid or promo.")
     remaining: int = Field(description="Tokens left to draw.")
     tokens: int = Field(description="Tokens granted.")
-    expires_at: str | None = Field(description="RFC 3339; null when it never expires.")
+    expires_at: str | None = Field(description="RFC 3339, UTC; null when it never expires.")
 
 
 class UsageOut(BaseModel):
@@ -93,12 +100,12 @@ async def usage(plan: Annotated[Plan, Depends(current_plan)],
         user_id=user,
         plan=used.name,
         windows=[WindowOut(limit=w.limit, used=w.used, remaining=w.remaining,
-                           window_s=int(w.window_s), resets_at=w.resets_at)
+                           window_s=int(w.window_s), resets_at=iso(w.resets_at_ms))
                  for w in report.windows],
         credit=sum(g.remaining for g in grants),
         grants=grants,
-        events=[SpendEventOut(request_id=e.request_id.partition(":")[2] or e.request_id,
-                              cost=e.cost, route=e.route, at=e.at_ms / 1000,
+        events=[SpendEventOut(request_id=shown_id(e.request_id),
+                              cost=e.cost, route=e.route, at=iso(e.at_ms) or "",
                               draws=[DrawOut(reference=r, tokens=n)
                                      for r, n in e.draws])
                 for e in report.events],

@@ -310,12 +310,14 @@ def test_credit_is_read_from_usage_and_429_when_present() -> None:
               {"reference": "promo", "kind": "promo", "remaining": 20, "expires_at": None}]
     api.queue("GET /v1/usage", httpx.Response(200, json={
         "user_id": "alice", "plan": "pro", "windows": [], "prices": {}, "credit": 320,
-        "events": [{"request_id": "k", "cost": 8, "route": "/v1/structured", "at": 1.0,
+        "events": [{"request_id": "k", "cost": 8, "route": "/v1/structured",
+                    "at": "1970-01-01T00:00:01.500Z",
                     "draws": [{"reference": "inv_1", "tokens": 5},
                               {"reference": "promo", "tokens": 3}]}],
         "grants": grants}))
     usage = atto.usage()
     assert usage.plan == "pro" and usage.events[0].from_grants == 8
+    assert usage.events[0].at == 1.5  # the RFC 3339 instant, as Unix time
     assert usage.events[0].draws == (("inv_1", 5), ("promo", 3))
     assert usage.credit.remaining == 320 and [g.reference for g in usage.credit.grants] == [
         "inv_1", "promo"]

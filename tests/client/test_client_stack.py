@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -91,6 +92,10 @@ def test_every_metered_route_returns_its_typed_result_and_headers(
     assert hour.remaining == ledger.windows[0].remaining == 100 - event.cost
     assert month.remaining == 1000 - event.cost
     assert 0 < hour.reset_s <= 3600
+    # the server's RFC 3339 instants, read as Unix time: the hour's window frees an hour
+    # after the charge
+    assert ledger.windows[0].resets_at == pytest.approx(event.at + 3600, abs=0.002)
+    assert abs(event.at - time.time()) < 120
 
 
 def test_result_fields_carry_the_answers(served: Served, emulator: EmulatorProcess,

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from local.redis_servers import free_port
 from tests.serving import Served, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,3 +135,162 @@ def test_cli_changes_reach_the_users_next_request(served: Served) -> None:
     assert cli(served, "unsuspend", user, "--reason", "appeal")[0] == 0
     assert embed(served, user, plan="tiny").status_code == 200
     assert cli(served, "show", user)[1]["credit"] == 1
+
+
+def test_unknown_routes_and_methods_get_404_and_405_with_allow(served: Served) -> None:
+    """make serve answers an unknown path 404 and a known path's wrong method 405 with an
+    Allow header, both in the error shape with an X-Request-Id."""
+    missing = httpx.get(served.url + "/v1/nothing", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong = httpx.get(served.url + "/v1/structured", timeout=10)
+    assert wrong.status_code == 405
+    assert wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in wrong.json()["error"]["message"]
+    grants = httpx.get(served.url + "/admin/v1/users/alice/grants", timeout=10)
+    assert grants.status_code == 405 and grants.headers["allow"] == "POST"
+    for answer in (missing, wrong, grants):
+        assert answer.json()["error"]["request_id"] == answer.headers["x-request-id"]
+
+
+def bare_cli(*args: str, port: int, stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
+    """``python -m atto_admin ARGS`` with no URL, stack or AWS settings, ``PORT`` set."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("AWS_") and k not in ("ATTO_ADMIN_URL", "ATTO_STACK")}
+    env.update({"PYTHONPATH": str(ROOT / "tools"), "PORT": str(port),
+                "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+                "AWS_SHARED_CREDENTIALS_FILE": os.devnull})
+    return subprocess.Popen([sys.executable, "-m", "atto_admin", *args], stdout=stdout,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def test_global_flags_go_before_or_after_the_command(served: Served) -> None:
+    """--json and --url are accepted after the command (and its own options) too."""
+    user = "flags-" + uuid.uuid4().hex[:8]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tools")}
+    for argv in (["--json", "show", user, "--url", served.url],
+                 ["show", user, "--json", "--url", served.url],
+                 ["plan", "set", user, "pro", "--reason", "r", "--url", served.url, "--json"]):
+        out = subprocess.run([sys.executable, "-m", "atto_admin", *argv], capture_output=True,
+                             text=True, timeout=60, env=env, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["user_id"] == user
+
+
+def test_with_no_flags_the_cli_finds_make_serve(served: Served) -> None:
+    """With no --url, ATTO_ADMIN_URL or stack, the CLI uses the make serve on PORT and says
+    so on stderr."""
+    user = "bare-" + uuid.uuid4().hex[:8]
+    proc = bare_cli("show", user, port=int(served.url.rsplit(":", 1)[1]))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert f"user      {user}" in out
+    assert f"using make serve at {served.url}" in err
+
+
+def test_with_nothing_to_reach_the_error_names_the_flags() -> None:
+    """With no make serve running and no AWS settings, the error says to start make serve
+    or pass --url or --stack, in one line, without a traceback."""
+    proc = bare_cli("show", "alice", port=free_port())
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "--url" in err and "--stack" in err and "make serve" in err
+    assert "Traceback" not in err
+
+
+def test_validation_details_are_printed(served: Served) -> None:
+    """A 422 from the API prints each validation detail, field by field, and the request id."""
+    code, _, err = cli(served, "grant", "add", "val-user", "--tokens", "0", "--kind", "paid",
+                       "--reference", "inv_x", "--reason", "r", json_out=False)
+    assert code == 1
+    assert "HTTP 422 invalid_request" in err
+    assert "tokens: Input should be greater than 0" in err
+    assert "request id: " in err
+
+
+def test_a_closed_pipe_is_no_traceback(served: Served) -> None:
+    """Output piped into a reader that has gone (`| head`) ends quietly: exit 0, no
+    BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    with os.fdopen(write, "w") as stdout:
+        proc = bare_cli("--url", served.url, "show", "pipe-user", port=free_port(),
+                        stdout=stdout)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_an_ended_suspension_reads_as_ended(served: Served) -> None:
+    """show says a timed suspension that has passed is over, not 'suspended ended until'."""
+    user = "ended-" + uuid.uuid4().hex[:8]
+    until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 2))
+    assert cli(served, "suspend", user, "--reason", "cool-off", "--until", until)[0] == 0
+    code, out, _ = cli(served, "show", user, json_out=False)
+    assert code == 0 and "suspended YES, until" in out
+    time.sleep(2.5)
+    code, out, _ = cli(served, "show", user, json_out=False)
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if ln.startswith("suspended"))
+    assert line.startswith("suspended no (") and "ended at" in line and "until" not in line
+
+
+def test_local_mode_prints_each_event_it_would_publish(served: Served) -> None:
+    """Under make serve a charge crossing 80% of a window prints one marked line with the
+    event's detail-type and detail, as a deployed stack would publish it."""
+    user = "evt-" + uuid.uuid4().hex[:8]
+    assert [embed(served, user, plan="free").status_code for _ in range(4)] == [200] * 4
+    deadline = time.monotonic() + 10
+    lines: list[str] = []
+    while not lines and time.monotonic() < deadline:
+        lines = [ln for ln in served.log.read_text().splitlines()
+                 if ln.startswith("[event, local: not published] Atto Usage Threshold ")
+                 and f'"user":"{user}"' in ln]
+        time.sleep(0.1)
+    assert len(lines) == 1, served.log.read_text()[-2000:]
+    detail = json.loads(lines[0].split(" Atto Usage Threshold ", 1)[1])
+    assert detail == {"user": user, "plan": "free", "window_s": 3600, "threshold": 80,
+                      "used": 4, "limit": 5}
+
+
+def test_the_local_dynamodb_keeps_its_access_log_out_of_the_terminal(served: Served) -> None:
+    """After operator changes (DynamoDB writes, some refused by their conditions) make
+    serve's output holds no access-log line of the local DynamoDB."""
+    user = "quiet-" + uuid.uuid4().hex[:8]
+    args = ("grant", "add", user, "--tokens", "5", "--kind", "promo", "--reference", "q-1",
+            "--reason", "r")
+    assert cli(served, *args)[0] == 0 and cli(served, *args)[0] == 0
+    access = [ln for ln in served.log.read_text().splitlines() if '"POST / HTTP/1.1"' in ln]
+    assert access == []
+
+
+def test_make_serve_serves_one_openapi_document_and_its_docs_page(served: Served) -> None:
+    """GET /openapi.json is a valid OpenAPI document with every route of template.yaml
+    (each with its method only) and GET /docs is the Swagger UI page that loads it."""
+    from openapi_spec_validator import validate
+
+    from local.template import functions
+
+    document = httpx.get(served.url + "/openapi.json", timeout=30).json()
+    validate(document)
+    routes = {(fn.method.lower(), fn.path) for fn in functions()}
+    served_routes = {(m, p) for p, item in document["paths"].items() for m in item}
+    assert served_routes == routes
+    page = httpx.get(served.url + "/docs", timeout=10)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "/openapi.json" in page.text
+
+
+def test_audit_lines_show_details_as_pairs_with_rfc3339_instants(served: Served) -> None:
+    """The readable audit prints each entry's details as key=value pairs, a grant's expiry as
+    RFC 3339, never a Python dict or epoch milliseconds."""
+    user = "aud-" + uuid.uuid4().hex[:8]
+    assert cli(served, "grant", "add", user, "--tokens", "5", "--kind", "promo",
+               "--reference", "camp-a", "--expires-at", "2099-01-31T00:00:00Z",
+               "--reason", "welcome")[0] == 0
+    code, out, _ = cli(served, "audit", "--user", user, json_out=False)
+    assert code == 0
+    (line,) = out.strip().splitlines()
+    assert line.endswith("expires_at=2099-01-31T00:00:00.000Z kind=promo reference=camp-a "
+                         "tokens=5"), line
+    assert "{" not in line and "_ms" not in line

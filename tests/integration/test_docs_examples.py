@@ -5,7 +5,9 @@ A curl example is a ``sh``/``bash`` block that runs ``curl``. Its expected statu
 comment lines that start with a status (``# 200: ...``, ``# refused: 422 ...``), one per
 request, or else the output block right after it (``HTTP/1.1 200 OK`` lines and lines of
 bare statuses such as ``200 200 200``). A client example is a ``python`` block that talks
-to ``http://127.0.0.1:8000``; it must run to its end (exit status 0), as pasted.
+to ``http://127.0.0.1:8000``; it must run to its end (exit status 0), as pasted. An operator
+example is a ``sh`` block that runs ``atto-admin`` (or ``make admin ARGS=...``) with no URL,
+as an operator types it next to a running ``make serve``: every command must succeed.
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ curl() {
 """
 
 
+#: Runs an operator example: ``atto-admin`` and ``make admin ARGS=...`` as the Makefile
+#: runs them (``python -m atto_admin``), stopping at the first command that fails.
+_CLI_PRELUDE = r"""
+atto-admin() { "$PYTHON" -m atto_admin "$@"; }
+make() {
+  if [ "$1" != admin ] || [ "${2%%=*}" != ARGS ]; then
+    echo "not an admin example: make $*" >&2; return 2
+  fi
+  eval "atto-admin ${2#ARGS=}"
+}
+set -eo pipefail
+"""
+
+
 @dataclass(frozen=True)
 class Example:
     """One shell block that runs curl, and the statuses its document shows for it."""
@@ -53,6 +69,7 @@ class Example:
     script: str
     expected: tuple[int, ...]
     python: bool = False
+    cli: bool = False
 
 
 def documents() -> list[Path]:
@@ -93,6 +110,10 @@ def examples() -> list[Example]:
             if language == "python" and any(DOC_SERVER in ln for ln in body):
                 found.append(Example(where, "\n".join(body), (0,), python=True))
                 continue
+            if language in ("sh", "bash", "shell") and any(
+                    re.match(r"\s*(atto-admin|make admin)\s", ln) for ln in body):
+                found.append(Example(where, "\n".join(body), (0,), cli=True))
+                continue
             if language not in ("sh", "bash", "shell") or not any(
                     re.search(r"(^|[\s;(])curl\s", ln) for ln in body):
                 continue
@@ -108,10 +129,13 @@ def examples() -> list[Example]:
 
 
 def test_every_example_shows_its_statuses() -> None:
-    """Each curl example documents at least one status (a comment or an output block)."""
+    """Each curl example documents at least one status (a comment or an output block), and
+    docs/operator.md's and docs/client.md's examples are among those run."""
     found = examples()
     assert len(found) >= 5
     assert [e.where for e in found if not e.expected] == []
+    assert any(e.cli and e.where.startswith("docs/operator.md") for e in found)
+    assert any(e.python and e.where.startswith("docs/client.md") for e in found)
 
 
 def test_examples_pasted_in_order_answer_as_documented() -> None:
@@ -126,6 +150,19 @@ def test_examples_pasted_in_order_answer_as_documented() -> None:
             if example.python:
                 out = subprocess.run([sys.executable, "-c", script], cwd=tmp, text=True,
                                      capture_output=True, timeout=300)
+                results.append((example.where, example.expected, (out.returncode,),
+                                (out.stdout + out.stderr)[-600:]))
+                continue
+            if example.cli:
+                env = {k: v for k, v in os.environ.items()
+                       if k not in ("ATTO_ADMIN_URL", "ATTO_STACK")}
+                env.update({"PYTHON": sys.executable, "PORT": served.url.rsplit(":", 1)[1],
+                            "PYTHONPATH": os.pathsep.join(
+                                [str(ROOT / "tools"), env.get("PYTHONPATH", "")]),
+                            "STATUSES": str(statuses), "HEADERS": str(headers)})
+                out = subprocess.run(["bash", "-c", _PRELUDE + _CLI_PRELUDE + script],
+                                     cwd=tmp, text=True, capture_output=True, timeout=300,
+                                     env=env)
                 results.append((example.where, example.expected, (out.returncode,),
                                 (out.stdout + out.stderr)[-600:]))
                 continue

@@ -168,7 +168,7 @@ def test_support_refund_gives_the_charge_back_at_most_once(env: str) -> None:
     first = call("POST", f"/admin/v1/users/{user}/refunds",
                  {"request_id": "gw-req-1", "reason": "wrong answer"})
     assert first.status == 201 and first.body["refund"]["tokens"] == 1
-    assert first.body["refund"]["request_id"] == "r:gw-req-1"
+    assert first.body["refund"]["request_id"] == "gw-req-1"
     assert usage(user).body["windows"][0]["used"] == 0
     second = call("POST", f"/admin/v1/users/{user}/refunds",
                   {"request_id": "gw-req-1", "reason": "again"})
@@ -177,6 +177,71 @@ def test_support_refund_gives_the_charge_back_at_most_once(env: str) -> None:
     unknown = call("POST", f"/admin/v1/users/{user}/refunds",
                    {"request_id": "never", "reason": "x"})
     assert unknown.status == 404
+
+
+def test_audit_details_write_instants_as_rfc3339(env: str) -> None:
+    """The audit's details show a grant's expiry and a suspension's end as RFC 3339 UTC
+    strings (no epoch milliseconds) and a refunded request's id as the user saw it."""
+    user = uuid.uuid4().hex
+    assert call("POST", f"/admin/v1/users/{user}/grants",
+                {"tokens": 5, "kind": "promo", "reference": "camp-t", "reason": "r",
+                 "expires_at": "2099-01-31T00:00:00Z"}).status == 201
+    assert call("PUT", f"/admin/v1/users/{user}/suspension",
+                {"reason": "r", "until": "2099-02-01T12:00:00+02:00"}).status == 200
+    assert call("DELETE", f"/admin/v1/users/{user}/suspension", {"reason": "r"}).status == 200
+    event = http_event("POST", "/v1/embeddings", body={"input": ["x"]}, user=user,
+                       request_id="gw-audit-1")
+    assert invoke(embeddings.handler, event).status == 200
+    assert call("POST", f"/admin/v1/users/{user}/refunds",
+                {"request_id": "gw-audit-1", "reason": "r"}).status == 201
+    entries = call("GET", "/admin/v1/audit", query={"user_id": user}).body["entries"]
+    details = {e["action"]: e["details"] for e in entries}
+    assert details["grant.create"] == {"reference": "camp-t", "tokens": 5, "kind": "promo",
+                                       "expires_at": "2099-01-31T00:00:00.000Z"}
+    assert details["suspension.set"] == {"until": "2099-02-01T10:00:00.000Z"}
+    assert details["refund"] == {"request_id": "gw-audit-1", "tokens": 1}
+    assert "_ms" not in json.dumps(entries)
+
+
+@pytest.mark.parametrize("key", [None, "retry-7f3a"])
+def test_the_id_a_response_shows_is_the_one_usage_and_support_use(env: str,
+                                                                   key: str | None) -> None:
+    """X-Request-Id (API Gateway's id, or the Idempotency-Key) is the id GET /v1/usage and
+    the operator picture list, and a support refund by it gives the charge back."""
+    user = uuid.uuid4().hex
+    event = http_event("POST", "/v1/embeddings", body={"input": ["hello"]}, user=user,
+                       request_id="gw-req-9",
+                       headers={"Idempotency-Key": key} if key else None)
+    res = invoke(embeddings.handler, event)
+    assert res.status == 200
+    shown = res.headers["x-request-id"]
+    assert shown == (key or "gw-req-9")
+    assert [e["request_id"] for e in usage(user).body["events"]] == [shown]
+    assert [e["request_id"] for e in call("GET", f"/admin/v1/users/{user}").body["events"]] \
+        == [shown]
+    refund = call("POST", f"/admin/v1/users/{user}/refunds",
+                  {"request_id": shown, "reason": "quoted by the user"})
+    assert refund.status == 201 and refund.body["refund"]["request_id"] == shown
+    assert usage(user).body["windows"][0]["used"] == 0
+
+
+def test_every_error_carries_its_request_id_in_the_header_and_the_body(env: str) -> None:
+    """A 422, a 400 for a malformed Idempotency-Key and an operator 404 each carry an
+    X-Request-Id equal to the error body's request_id."""
+    user = uuid.uuid4().hex
+    answers = [
+        invoke(embeddings.handler, http_event("POST", "/v1/embeddings", body={"input": 5},
+                                              user=user, request_id="gw-bad-1")),
+        invoke(embeddings.handler, http_event("POST", "/v1/embeddings", user=user,
+                                              body={"input": ["x"]},
+                                              headers={"Idempotency-Key": "\u00e9"})),
+        call("POST", f"/admin/v1/users/{user}/refunds", {"request_id": "never", "reason": "x"}),
+    ]
+    assert [a.status for a in answers] == [422, 400, 404]
+    assert answers[0].headers["x-request-id"] == "gw-bad-1"
+    for answer in answers:
+        assert answer.headers["x-request-id"]
+        assert answer.body["error"]["request_id"] == answer.headers["x-request-id"]
 
 
 @pytest.mark.parametrize("method, path, body, field", [

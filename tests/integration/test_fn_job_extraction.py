@@ -33,6 +33,7 @@ from local.lambda_events import (
 from local.redis_servers import RedisServer
 from tests.ledger import used
 from usage_limits.keys import provider_keys
+from usage_limits.web.errors import REFUNDED
 
 if TYPE_CHECKING:
     from tests.conftest import StartEnvironment
@@ -346,17 +347,20 @@ def test_page_error_status_is_502_and_refunded(handler: Any, env: EmulatorProces
     user = user_id()
     res = post(handler, {"url": f"{env.pages_url}/status/500"}, user=user)
     assert res.status == 502
+    assert res.body["error"]["message"].endswith("; " + REFUNDED)
     assert res.body["error"]["provider"] == "pages"
     assert res.body["error"]["upstream_status"] == 500
     assert used(user) == 0
 
 
 def test_site_rate_limit_is_503_with_retry_after(handler: Any, env: EmulatorProcess) -> None:
-    """A site's 429 is provider_busy with its Retry-After, refunded."""
+    """A site's 429 is provider_busy with its Retry-After, refunded, and says so in the
+    same words as a 502."""
     env.fail_next(1, 429, family="pages", retry_after_s=7)
     user = user_id()
     res = post(handler, {"url": env.job_page_url(SLUG)}, user=user)
     assert res.status == 503 and res.body["error"]["code"] == "provider_busy"
+    assert res.body["error"]["message"].endswith(REFUNDED)
     assert res.headers["retry-after"] == "7"
     assert used(user) == 0
 

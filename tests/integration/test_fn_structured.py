@@ -79,11 +79,14 @@ def test_bad_input_is_422_and_free(env: EmulatorProcess, body: Any) -> None:
 
 
 def test_upstream_failure_is_502_and_refunded(env: EmulatorProcess) -> None:
-    """An upstream 500 becomes 502 provider_error and the tokens come back."""
+    """An upstream 500 becomes 502 provider_error and the tokens come back, as its message
+    says."""
     user = uuid.uuid4().hex
     env.fail_next(1, 500, family="llm")
     res = ask(user, {"prompt": "x", "schema": SCHEMA})
     assert res.status == 502 and res.body["error"]["code"] == "provider_error"
+    assert res.body["error"]["message"].endswith(
+        "; the tokens charged for this request were refunded")
     assert used(user) == 0
 
 

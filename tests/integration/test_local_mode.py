@@ -62,6 +62,18 @@ def test_invoke_with_a_missing_event_file_is_one_line_and_exit_2() -> None:
     assert "Traceback" not in out.stderr
 
 
+def test_invoke_with_a_misspelt_function_lists_each_function_once() -> None:
+    """`make invoke FN=structurd` says the name is unknown and lists every function once
+    (admin serves several routes), in one line, exit status 2."""
+    out = serving.invoke("structurd", "events/structured.json")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'structurd'" in lines[0], out.stderr
+    known = lines[0].split("known: ", 1)[1].split(", ")
+    assert known == sorted(set(known)) and "admin" in known and "structured" in known
+    assert len(known) == len({fn.code_dir for fn in functions()})
+
+
 def test_invoke_with_an_event_that_is_not_json_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """An EVENT file that is not a JSON object is refused in one line with exit status 2."""
     event = tmp_path / "broken.json"
@@ -147,3 +159,59 @@ def test_emulator_with_its_port_taken_says_so_before_any_banner() -> None:
     assert "serving on" not in out.stderr
     assert re.fullmatch(rf"emulator: port {port} on 127\.0\.0\.1 is already in use.*\n",
                         out.stderr), out.stderr
+
+
+@pytest.mark.parametrize("content_type",
+                         ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_body_not_sent_as_json_gets_415_naming_the_header(
+        content_type: str | None, redis_server: RedisServer,
+        lambda_env: StartEnvironment) -> None:
+    """A JSON body sent with another Content-Type (curl -d without -H) or none gets 415
+    whose message names Content-Type: application/json, and nothing is charged."""
+    lambda_env({"ATTO_ENV": "local", "REDIS_URL": redis_server.url})
+    structured = importlib.import_module("functions.structured.app").handler
+    usage = importlib.import_module("functions.usage.app").handler
+    user = f"ct-{str(content_type).replace('/', '-')}"
+    event = http_event("POST", "/v1/structured", user=user,
+                       body={"prompt": "x", "schema": {"type": "string"}},
+                       headers={"Content-Type": content_type or ""})
+    if content_type is None:
+        del event["headers"]["content-type"]
+    res = invoke(structured, event)
+    assert res.status == 415, res.body
+    assert res.body["error"]["code"] == "invalid_request"
+    assert "Content-Type: application/json" in res.body["error"]["message"]
+    assert invoke(usage, http_event("GET", "/v1/usage", user=user)).body["events"] == []
+
+
+def test_a_json_body_that_fails_validation_still_gets_422_with_details(
+        redis_server: RedisServer, lambda_env: StartEnvironment) -> None:
+    """With Content-Type: application/json a wrong body keeps its 422 and its details."""
+    lambda_env({"ATTO_ENV": "local", "REDIS_URL": redis_server.url})
+    structured = importlib.import_module("functions.structured.app").handler
+    res = invoke(structured, http_event("POST", "/v1/structured", body={"prompt": 5}))
+    assert res.status == 422
+    assert {tuple(d["loc"]) for d in res.body["error"]["details"]} >= {("body", "schema")}
+
+
+def test_local_unknown_plan_header_is_400_naming_the_plans(
+        redis_server: RedisServer, lambda_env: StartEnvironment) -> None:
+    """In local mode an X-Atto-Plan naming no plan is refused 400 with the plans' names,
+    on free and metered routes, instead of falling back to the default."""
+    lambda_env({"ATTO_ENV": "local", "REDIS_URL": redis_server.url,
+                "ATTO_PLANS": "free=100/1h;pro=400/1h", "ATTO_DEFAULT_PLAN": "free"},
+               unset=("ATTO_BUDGET",))
+    for name, method, path, body in [
+            ("usage", "GET", "/v1/usage", None),
+            ("structured", "POST", "/v1/structured",
+             {"prompt": "x", "schema": {"type": "string"}})]:
+        handler = importlib.import_module(f"functions.{name}.app").handler
+        res = invoke(handler, http_event(method, path, body=body, user="plan-typo",
+                                         headers={"X-Atto-Plan": "gold"}))
+        assert res.status == 400, res.body
+        assert "free, pro" in res.body["error"]["message"]
+        assert "X-Atto-Plan" in res.body["error"]["message"]
+    usage = importlib.import_module("functions.usage.app").handler
+    res = invoke(usage, http_event("GET", "/v1/usage", user="plan-typo",
+                                   headers={"X-Atto-Plan": "pro"}))
+    assert res.status == 200 and res.body["plan"] == "pro"

@@ -142,11 +142,14 @@ def test_over_budget_gets_429_with_retry_after_and_fields(web: Any) -> None:
 
 
 def test_raised_error_is_refunded_and_shaped(web: Any) -> None:
-    """A route that raises answers 500 in the error shape and gives the tokens back."""
+    """A route that raises answers 500 in the error shape, with the request's id, and gives
+    the tokens back."""
     user = uuid.uuid4().hex
-    res = invoke(web, http_event("POST", "/raises", body={}, user=user))
+    res = invoke(web, http_event("POST", "/raises", body={}, user=user, request_id="gw-500"))
     assert res.status == 500
-    assert res.body == {"error": {"code": "internal_error", "message": "internal error"}}
+    assert res.body == {"error": {"code": "internal_error", "message": "internal error",
+                                  "request_id": "gw-500"}}
+    assert res.headers["x-request-id"] == "gw-500"
     assert calls == ["raises"]
     assert used(web, user) == 0
 

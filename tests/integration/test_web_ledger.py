@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import re
 import socket
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -98,10 +100,33 @@ def test_usage_resets_at_is_null_when_a_window_holds_nothing(usage_env: None,
     app = build_app()
     assert invoke(app, http_event("POST", "/costs-5", body={}, user=user)).status == 200
     res = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user))
-    assert all(isinstance(w["resets_at"], float) for w in res.body["windows"])
-    charge_at = res.body["events"][0]["at"]
-    assert [w["resets_at"] for w in res.body["windows"]] == [charge_at + 3600,
-                                                             charge_at + 86400]
+    charge_at = instant(res.body["events"][0]["at"])
+    assert [instant(w["resets_at"]) for w in res.body["windows"]] == [
+        charge_at + timedelta(hours=1), charge_at + timedelta(days=1)]
+
+
+def instant(text: str) -> datetime:
+    """An RFC 3339 UTC instant as the API writes it (``2026-12-02T16:51:27.123Z``).
+
+    Raises:
+        AssertionError: the text is not in that form.
+    """
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", text), text
+    return datetime.fromisoformat(text)
+
+
+def test_every_instant_in_usage_is_an_rfc3339_utc_string(usage_env: None) -> None:
+    """GET /v1/usage writes each instant (windows' resets_at, events' at) as an RFC 3339 UTC
+    string within the last minute, and durations as numbers (window_s)."""
+    user = uuid.uuid4().hex
+    assert invoke(build_app(), http_event("POST", "/costs-5", body={}, user=user)).status == 200
+    body = invoke(usage_fn.handler, http_event("GET", "/v1/usage", user=user)).body
+    now = datetime.now(UTC)
+    (event,) = body["events"]
+    assert timedelta(0) <= now - instant(event["at"]) < timedelta(minutes=1)
+    for window in body["windows"]:
+        assert isinstance(window["window_s"], int)
+        assert instant(window["resets_at"]) > now
 
 
 def test_usage_with_an_idempotency_key_stores_nothing_and_answers_now(

@@ -91,3 +91,19 @@ def test_an_unreachable_limiter_counts_unavailable_and_a_kept_refund(
     (line,) = emf()
     assert _values(line, obs.LIMITER_UNAVAILABLE) == 1
     assert _values(line, obs.SERVER_ERRORS) == 1 and _values(line, obs.REFUNDS_KEPT) == 1
+
+
+def test_the_request_log_line_carries_the_id_the_user_quotes(
+        lambda_env: StartEnvironment, redis_server: RedisServer,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The request's log line has x_request_id equal to the response's X-Request-Id, so the
+    id a user quotes finds the line."""
+    lambda_env({**_environment(redis_server.url), "LOG_LEVEL": "INFO"}, unset=UNSET)
+    web = _handler()
+    capsys.readouterr()
+    res = invoke(web, http_event("POST", "/ok", body={}, user=uuid.uuid4().hex,
+                                 request_id="gw-log-1"))
+    assert res.status == 200 and res.headers["x-request-id"] == "gw-log-1"
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()
+             if '"message":"request"' in ln]
+    assert [ln["x_request_id"] for ln in lines] == ["gw-log-1"]

@@ -55,3 +55,12 @@ def test_every_function_but_usage_is_metered() -> None:
     metered = {route.split()[1] for route in declared_costs()}
     public = {fn.path for fn in functions() if not fn.path.startswith("/admin/")}
     assert public - metered == {"/v1/usage"}
+
+
+def test_client_readme_route_table_is_the_price_list() -> None:
+    """client/README.md's method table gives each route the price list's cost."""
+    readme = (ROOT / "client" / "README.md").read_text()
+    rows = re.findall(r"^\|\s*`[a-z_]+\(.*?\)`\s*\|\s*`([A-Z]+ /v1/\S+)`\s*\|\s*([^|]*?)\s*\|",
+                      readme, re.M)
+    prices = importlib.import_module("functions.usage.app").PRICES
+    assert {route: int(cost) if cost.isdigit() else cost for route, cost in rows} == prices

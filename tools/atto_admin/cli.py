@@ -1,4 +1,4 @@
-"""The command line: ``python -m atto_admin [--url URL | --stack NAME] COMMAND ...``.
+"""The command line: ``python -m atto_admin [OPTIONS] COMMAND ... [OPTIONS]``.
 
     show USER                                   the user's whole picture
     plan set USER PLAN --reason R               override the plan
@@ -10,9 +10,9 @@
     unsuspend USER --reason R                   lift the suspension
     audit [--user USER] [--limit N]             operator actions, newest first
 
-The URL is ``--url``, else ``ATTO_ADMIN_URL``, else the ``AdminApiUrl`` output of the stack
-``--stack`` (default ``ATTO_STACK``, else ``atto-cloud-dev``). Exit status: 0 done, 1 the
-API refused (the error is printed), 2 bad usage.
+The global options (``--json``, ``--url``, ``--stack``, ...) go before or after the command.
+``--help`` prints ``DESCRIPTION`` and ``EPILOG``, plain text: where the CLI connects and its
+exit statuses.
 """
 
 from __future__ import annotations
@@ -24,72 +24,99 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .client import AdminClient, AdminError, is_local, stack_url
-from .output import render
+from .client import AdminClient, AdminError, is_local, local_serve_url, stack_url
+from .output import error_lines, render
 
 URL_ENV = "ATTO_ADMIN_URL"
 STACK_ENV = "ATTO_STACK"
 DEFAULT_STACK = "atto-cloud-dev"
 
+DESCRIPTION = "The Atto Cloud operator CLI: one command per route of the operator API."
+EPILOG = f"""where it connects:
+  --url, else ${URL_ENV}, else the AdminApiUrl output of the stack --stack (else
+  ${STACK_ENV}). With none of them set, a make serve answering on 127.0.0.1:$PORT
+  (PORT default 8000), else the stack {DEFAULT_STACK}. A loopback URL is never signed.
+  The options above go before or after the command.
 
-def parser() -> argparse.ArgumentParser:
-    """The argument parser (every route has a command)."""
-    p = argparse.ArgumentParser(prog="atto-admin", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+exit status: 0 done, 1 the API refused (its code, message and details go to stderr),
+  2 bad usage."""
+
+#: The global options' values when not given (they are SUPPRESSed in every parser, so
+#: one given after the command is not overwritten by the top level's default).
+GLOBAL_DEFAULTS: dict[str, Any] = {"url": None, "stack": None, "region": None,
+                                   "profile": None, "sign": None, "json": False}
+
+
+def _global_options() -> argparse.ArgumentParser:
+    """The options every command accepts, before or after its name."""
+    p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
     p.add_argument("--url", help=f"the API's base URL (default ${URL_ENV}, else the stack's)")
     p.add_argument("--stack", help=f"the deployed stack (default ${STACK_ENV} or "
                                    f"{DEFAULT_STACK})")
     p.add_argument("--region", help="AWS region (default: from the URL or your AWS config)")
     p.add_argument("--profile", help="AWS profile of the operator's credentials")
     sign = p.add_mutually_exclusive_group()
-    sign.add_argument("--sign", dest="sign", action="store_true", default=None,
+    sign.add_argument("--sign", dest="sign", action="store_true",
                       help="SigV4-sign even a loopback URL")
     sign.add_argument("--no-sign", dest="sign", action="store_false",
                       help="do not sign (make serve)")
     p.add_argument("--json", action="store_true", help="print the API's JSON answer")
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser (every route has a command)."""
+    common = _global_options()
+    p = argparse.ArgumentParser(prog="atto-admin", description=DESCRIPTION, epilog=EPILOG,
+                                parents=[common],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    show = sub.add_parser("show", help="the user's plan, windows, grants, suspension, spend")
+    def command(parent: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                help: str) -> argparse.ArgumentParser:
+        return parent.add_parser(name, help=help, description=help, parents=[common])
+
+    show = command(sub, "show", "the user's plan, windows, grants, suspension, spend")
     show.add_argument("user")
 
-    plan = sub.add_parser("plan", help="set or clear a plan override")
+    plan = command(sub, "plan", "set or clear a plan override")
     plan_sub = plan.add_subparsers(dest="action", required=True)
-    plan_set = plan_sub.add_parser("set", help="override the user's plan")
+    plan_set = command(plan_sub, "set", "override the user's plan")
     plan_set.add_argument("user")
     plan_set.add_argument("plan")
     plan_set.add_argument("--reason", required=True)
-    plan_clear = plan_sub.add_parser("clear", help="remove the override")
+    plan_clear = command(plan_sub, "clear", "remove the override")
     plan_clear.add_argument("user")
     plan_clear.add_argument("--reason", required=True)
 
-    grant = sub.add_parser("grant", help="add or void a credit grant")
+    grant = command(sub, "grant", "add or void a credit grant")
     grant_sub = grant.add_subparsers(dest="action", required=True)
-    add = grant_sub.add_parser("add", help="give tokens (idempotent by --reference)")
+    add = command(grant_sub, "add", "give tokens (idempotent by --reference)")
     add.add_argument("user")
     add.add_argument("--tokens", type=int, required=True)
     add.add_argument("--kind", choices=("paid", "promo"), required=True)
     add.add_argument("--reference", required=True, help="e.g. the invoice id")
     add.add_argument("--expires-at", help="RFC 3339, e.g. 2027-01-31T00:00:00Z")
     add.add_argument("--reason", required=True)
-    void = grant_sub.add_parser("void", help="void a grant")
+    void = command(grant_sub, "void", "void a grant")
     void.add_argument("user")
     void.add_argument("reference")
     void.add_argument("--reason", required=True)
 
-    refund = sub.add_parser("refund", help="refund one charge, at most once")
+    refund = command(sub, "refund", "refund one charge, at most once")
     refund.add_argument("user")
-    refund.add_argument("request_id")
+    refund.add_argument("request_id", help="the X-Request-Id the user quotes (show lists them)")
     refund.add_argument("--reason", required=True)
 
-    suspend = sub.add_parser("suspend", help="suspend the user")
+    suspend = command(sub, "suspend", "suspend the user")
     suspend.add_argument("user")
     suspend.add_argument("--reason", required=True)
     suspend.add_argument("--until", help="RFC 3339; default: until lifted")
-    unsuspend = sub.add_parser("unsuspend", help="lift the suspension")
+    unsuspend = command(sub, "unsuspend", "lift the suspension")
     unsuspend.add_argument("user")
     unsuspend.add_argument("--reason", required=True)
 
-    audit = sub.add_parser("audit", help="operator actions, newest first")
+    audit = command(sub, "audit", "operator actions, newest first")
     audit.add_argument("--user")
     audit.add_argument("--limit", type=int)
     return p
@@ -121,23 +148,71 @@ def run(client: AdminClient, args: argparse.Namespace) -> Any:
     raise AssertionError(f"unhandled command {command!r}")  # argparse allows no other
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments, the global options filled in where not given."""
+    args = parser().parse_args(argv)
+    for name, value in GLOBAL_DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
+
+
+def resolve_url(args: argparse.Namespace) -> str:
+    """The operator API's URL: ``--url``, ``ATTO_ADMIN_URL``, the named stack's output, a
+    running ``make serve`` (a note on stderr), else the default stack's output.
+
+    Raises:
+        AdminError: the stack's output cannot be read (the message says which flag to pass).
+    """
+    url = args.url or os.environ.get(URL_ENV)
+    if url:
+        return str(url)
+    stack = args.stack or os.environ.get(STACK_ENV)
+    if stack:
+        return stack_url(stack, region=args.region, profile=args.profile)
+    local = local_serve_url()
+    if local is not None:
+        print(f"atto-admin: using make serve at {local} (pass --stack NAME for a deployed "
+              "stack)", file=sys.stderr)
+        return local
+    try:
+        return stack_url(DEFAULT_STACK, region=args.region, profile=args.profile)
+    except AdminError as exc:
+        exc.message += ("; no make serve answers on 127.0.0.1 either: start `make serve`, "
+                        "or pass --url URL, or --stack NAME (and --profile) for a deployed "
+                        "stack")
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; the process exit status."""
-    args = parser().parse_args(argv)
+    args = parse(argv)
     try:
-        url = args.url or os.environ.get(URL_ENV) or stack_url(
-            args.stack or os.environ.get(STACK_ENV) or DEFAULT_STACK, region=args.region,
-            profile=args.profile)
+        url = resolve_url(args)
         client = AdminClient(url, sign=args.sign, region=args.region, profile=args.profile)
         answer = run(client, args)
     except AdminError as exc:
         if args.json and exc.body is not None:
             print(json.dumps(exc.body, indent=2), file=sys.stderr)
-        where = f"HTTP {exc.status} " if exc.status else ""
-        print(f"atto-admin: {where}{exc.code}: {exc.message}", file=sys.stderr)
+        print("\n".join(error_lines(exc.status, exc.code, exc.message, exc.body)),
+              file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(answer, indent=2))
-    else:
-        print(render(args.command, answer, local=is_local(url)))
+    text = json.dumps(answer, indent=2) if args.json else render(args.command, answer,
+                                                                 local=is_local(url))
+    return _print(text)
+
+
+def _print(text: str) -> int:
+    """Print ``text``; a reader that stops early (``| head``) is no error.
+
+    Returns:
+        0, also when the reader closed the pipe: it had what it asked for.
+    """
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would report the broken pipe again when it flushes stdout at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,22 @@ def is_local(url: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def local_serve_url(timeout_s: float = 0.5) -> str | None:
+    """The URL of a ``make serve`` answering on this machine, or None.
+
+    ``make serve`` listens on ``127.0.0.1:$PORT`` (8000); it is recognised by its operator
+    API answering unsigned (only local mode does).
+    """
+    url = f"http://127.0.0.1:{os.environ.get('PORT') or 8000}"
+    try:
+        response = httpx.get(url + "/admin/v1/audit", params={"limit": 1}, timeout=timeout_s)
+        answer = response.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    ok = response.status_code == 200 and isinstance(answer, dict) and "entries" in answer
+    return url if ok else None
 
 
 def region_of(url: str) -> str | None:
@@ -96,8 +113,9 @@ class Signer:
         session = botocore.session.Session(profile=self.profile)
         credentials = session.get_credentials()
         if credentials is None:
-            raise AdminError(0, "no_credentials", "no AWS credentials found (set a profile, "
-                             "AWS_ACCESS_KEY_ID, or run `aws sso login`)")
+            raise AdminError(0, "no_credentials", "no AWS credentials found (pass --profile, "
+                             "set AWS_ACCESS_KEY_ID, or run `aws sso login`; for make serve "
+                             "pass --url http://127.0.0.1:8000)")
         request = AWSRequest(method=method, url=url, data=body or b"", headers=dict(headers))
         SigV4Auth(credentials.get_frozen_credentials(), SERVICE, self.region).add_auth(request)
         return dict(request.headers.items())

@@ -19,10 +19,12 @@ def _picture(p: dict[str, Any]) -> str:
         o = p["override"]
         lines.append(f"override  {o['plan']} by {o['by']} at {o['at']}: {o['reason']}")
     s = p.get("suspension")
-    if s:
-        state = "ACTIVE" if s["active"] else "ended"
-        lines.append(f"suspended {state} until {s['until'] or 'lifted'}, by {s['by']} "
+    if s and s["active"]:
+        lines.append(f"suspended YES, until {s['until'] or 'lifted'}, by {s['by']} "
                      f"since {s['since']}: {s['reason']}")
+    elif s:
+        lines.append(f"suspended no (a suspension by {s['by']} from {s['since']} ended at "
+                     f"{s['until']}: {s['reason']})")
     else:
         lines.append("suspended no")
     lines.append("windows")
@@ -43,7 +45,30 @@ def _audit(a: dict[str, Any]) -> str:
     if not a["entries"]:
         return "no operator actions"
     return "\n".join(f"{e['at']}  {e['user_id']:<20} {e['action']:<16} by {e['by']}: "
-                     f"{e['reason']}  {e['details'] or ''}".rstrip() for e in a["entries"])
+                     f"{e['reason']}  {_details(e['details'])}".rstrip() for e in a["entries"])
+
+
+def _details(details: Any) -> str:
+    """An audit entry's details as ``key=value`` pairs (none shown as ``-``)."""
+    if not isinstance(details, dict):
+        return str(details or "")
+    return " ".join(f"{k}={'-' if v is None else v}" for k, v in sorted(details.items()))
+
+
+def error_lines(status: int, code: str, message: str, body: Any) -> list[str]:
+    """An error for stderr: the status, code and message, then each validation detail
+    (``tokens: Input should be greater than 0``) and the request id to quote."""
+    where = f"HTTP {status} " if status else ""
+    lines = [f"atto-admin: {where}{code}: {message}"]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        for d in error.get("details") or []:
+            if isinstance(d, dict):
+                loc = ".".join(str(x) for x in d.get("loc") or [] if x not in ("body", "query"))
+                lines.append(f"  {loc or 'request'}: {d.get('msg')}")
+        if error.get("request_id"):
+            lines.append(f"  request id: {error['request_id']}")
+    return lines
 
 
 def render(command: str, answer: Any, *, local: bool = False) -> str:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..exceptions import InvalidArgument, LimiterUnavailable, ProviderBusy
-from .errors import ApiError, error_response, retry_after_header
+from .errors import REFUNDED, ApiError, error_response, retry_after_header
 from .metering import MeteredRoute
 from .middleware import UsageLimitsMiddleware
 
@@ -52,6 +52,7 @@ COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _doc("invalid_request: malformed input"),
     401: _doc("unauthorized: no authenticated user"),
     413: _doc("payload_too_large: body above the cap"),
+    415: _doc("invalid_request: a body sent without Content-Type: application/json"),
     422: _doc("invalid_request: the body failed validation"),
     500: _doc("internal_error"),
     503: _doc("limiter_unavailable (Redis unreachable) or provider_busy"),
@@ -65,10 +66,10 @@ METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
               "content_filtered: tokens refunded"),
     429: _doc("budget_exceeded: the token budget is spent; see Retry-After"),
     502: _doc("provider_error: the upstream provider failed; or output_truncated: the answer "
-              "hit the model's output limit; tokens refunded"),
+              f"hit the model's output limit; {REFUNDED}"),
     503: _doc("limiter_unavailable (Redis unreachable), provider_busy, or "
               "provider_quota_exceeded (the provider account is out of quota); see "
-              "Retry-After; tokens refunded"),
+              f"Retry-After; {REFUNDED}"),
 }
 
 
@@ -103,6 +104,15 @@ def _only_once_loaded(cls: Any) -> bool:
 _check_v1_models_only_once_loaded()
 
 
+def _is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type is JSON (``application/json`` or ``application/*+json``)."""
+    if content_type is None:
+        return False
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
 def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
     """A FastAPI app whose errors follow the public contract and whose charges are refunded."""
     app = FastAPI(title=title, version=version, responses=COMMON_RESPONSES, **kwargs)
@@ -114,9 +124,17 @@ def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         details = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
                    for e in exc.errors()]
+        content_type = request.headers.get("content-type")
+        if not _is_json(content_type) and any(d["loc"][:1] == ["body"] for d in details):
+            # FastAPI reads a body sent without a JSON type (curl -d sends a form's) as bytes
+            # and reports "Input should be a valid dictionary": say what to change instead.
+            sent = "none" if content_type is None else repr(content_type[:64])
+            return error_response(
+                415, "invalid_request", "the body must be JSON, sent with the header "
+                f"Content-Type: application/json (this request's: {sent})")
         return error_response(422, "invalid_request", "the request failed validation",
                               details=jsonable_encoder(details))
 
@@ -136,7 +154,7 @@ def create_app(title: str, *, version: str = "1.0.0", **kwargs: Any) -> FastAPI:
     @app.exception_handler(ProviderBusy)
     async def provider_busy(_: Request, exc: ProviderBusy) -> JSONResponse:
         return error_response(503, "provider_busy",
-                              f"the {exc.provider} provider is at capacity; tokens refunded",
+                              f"the {exc.provider} provider is at capacity; {REFUNDED}",
                               headers=retry_after_header(exc.retry_after_s),
                               retry_after_s=round(exc.retry_after_s, 3), provider=exc.provider)
 

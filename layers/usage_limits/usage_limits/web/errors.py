@@ -28,11 +28,16 @@ status >= 400).
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from typing import Any
 
 from starlette.responses import JSONResponse
 
 from . import observability as obs
+
+#: The id of the request being answered (set by the middleware for the request's whole
+#: run): every error body carries it as ``request_id``, as the ``X-Request-Id`` header does.
+current_request_id: ContextVar[str | None] = ContextVar("current_request_id", default=None)
 
 #: The code of the 503 answered when Redis is unreachable (counted as a metric).
 LIMITER_UNAVAILABLE_CODE = "limiter_unavailable"
@@ -137,10 +142,22 @@ class LimiterUnavailableError(ApiError):
     status, code = 503, "limiter_unavailable"
 
 
+#: How an upstream failure's message (502 provider_error, 503 provider_busy) says that the
+#: request cost nothing: the same words on every such answer.
+REFUNDED = "the tokens charged for this request were refunded"
+
+
 class ProviderError(ApiError):
-    """An upstream provider failed, timed out or answered something unusable."""
+    """An upstream provider failed, timed out or answered something unusable.
+
+    Its message ends with ``REFUNDED``: the middleware refunds every failed request.
+    """
 
     status, code = 502, "provider_error"
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.code, f"{self.message}; {REFUNDED}",
+                              headers=self.headers, **self.extra)
 
 
 class OutputTruncated(ProviderError):
@@ -156,8 +173,11 @@ def retry_after_header(seconds: float) -> dict[str, str]:
 
 def error_response(status: int, code: str, message: str, *,
                    headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    """The one place that shapes an error body."""
+    """The one place that shapes an error body; it carries the request's id, when known."""
     if code == LIMITER_UNAVAILABLE_CODE:
         obs.count(obs.LIMITER_UNAVAILABLE)
-    return JSONResponse({"error": {"code": code, "message": message, **extra}},
-                        status_code=status, headers=headers)
+    error: dict[str, Any] = {"code": code, "message": message, **extra}
+    rid = current_request_id.get()
+    if rid is not None:
+        error.setdefault("request_id", rid)
+    return JSONResponse({"error": error}, status_code=status, headers=headers)

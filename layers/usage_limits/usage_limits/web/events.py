@@ -24,7 +24,8 @@ next; ``drain`` (awaited by the middleware before the request's metrics are writ
 for those tasks, each of which ends within its bound.
 
 Environment: ``ATTO_EVENT_BUS`` (the bus's name or ARN; unset: events are not published,
-as in local mode), ``ATTO_EVENTS_TIMEOUT_S`` (default 1.0).
+as in local mode, where each is printed instead as one line starting ``LOCAL_EVENT_MARK``),
+``ATTO_EVENTS_TIMEOUT_S`` (default 1.0).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -55,6 +57,10 @@ USAGE_THRESHOLD = "Atto Usage Threshold"
 CREDIT_LOW = "Atto Credit Low"
 CREDIT_EXHAUSTED = "Atto Credit Exhausted"
 DETAIL_TYPES = (USAGE_THRESHOLD, CREDIT_LOW, CREDIT_EXHAUSTED)
+
+#: How a line that shows an event local mode did not publish begins (then the
+#: detail-type and the detail as JSON).
+LOCAL_EVENT_MARK = "[event, local: not published]"
 
 #: PutEvents takes at most this many entries per call.
 MAX_ENTRIES = 10
@@ -322,8 +328,19 @@ _tasks: set[asyncio.Task[bool]] = set()
 
 
 def publish_soon(events: Sequence[Event]) -> None:
-    """Start publishing ``events`` without waiting; ``drain`` waits for it."""
+    """Start publishing ``events`` without waiting; ``drain`` waits for it.
+
+    Without a bus nothing is published; in local mode each event is printed to stderr as
+    one line, so that ``make serve`` shows what a deployed stack would publish.
+    """
     if not events:
+        return
+    if publisher().settings.bus is None:
+        if settings().local:
+            for event in events:
+                print(f"{LOCAL_EVENT_MARK} {event.detail_type} "
+                      f"{json.dumps(asdict(event), separators=(',', ':'))}",
+                      file=sys.stderr, flush=True)
         return
     task = asyncio.get_running_loop().create_task(publisher().publish(list(events)))
     _tasks.add(task)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
+from ..entitlements.plans import claim_names
 from .errors import Forbidden, InvalidRequest, Unauthorized
 from .settings import settings
 
@@ -106,7 +107,8 @@ def plan(request: Request, override: str | None = None) -> ResolvedPlan:
     """The caller's plan: ``override``, else the plan claim, else the default.
 
     A claim that names no plan gets the default plan and a warning in the log, never an
-    error: the token is valid, only its plan is unknown here.
+    error: the token is valid, only its plan is unknown here. The local ``X-Atto-Plan``
+    header is typed by hand, so one naming no plan is refused instead.
 
     Args:
         request: the request.
@@ -114,8 +116,18 @@ def plan(request: Request, override: str | None = None) -> ResolvedPlan:
 
     Returns:
         The plan and where it came from.
+
+    Raises:
+        InvalidRequest: in local mode, ``X-Atto-Plan`` names none of the plans (400).
     """
-    resolved = settings().plans.resolve(override=override, claim=plan_claim(request))
+    conf = settings()
+    plans = conf.plans
+    if conf.local:
+        header = request.headers.get(LOCAL_PLAN_HEADER)
+        if header is not None and not any(plans.get(n) for n in claim_names(header)):
+            raise InvalidRequest(f"X-Atto-Plan: {header[:64]!r} is not a plan here; the "
+                                 f"plans are {', '.join(plans.by_name)}")
+    resolved = plans.resolve(override=override, claim=plan_claim(request))
     if resolved.unknown_claim is not None:
         log.warning("plan claim names no plan; using the default plan",
                     extra={"claim": resolved.unknown_claim, "plan": resolved.plan.name})
@@ -171,3 +183,42 @@ def _new_request_id(request: Request) -> str:
     if isinstance(gateway_id, str) and gateway_id:
         return "r:" + gateway_id[:MAX_IDEMPOTENCY_KEY]
     return "g:" + uuid.uuid4().hex
+
+
+#: The prefixes ``request_id`` gives ids by their source: ``k:`` an Idempotency-Key, ``r:``
+#: API Gateway's request id, ``g:`` generated here. Only the ledger sees them.
+REQUEST_ID_PREFIXES = ("k:", "r:", "g:")
+
+
+def shown_id(request_id: str) -> str:
+    """The id users and support see for a ledger id: without its source prefix.
+
+    The response's ``X-Request-Id``, the error body's ``request_id``, ``GET /v1/usage`` and
+    the operator API all show this form, and a support refund accepts it.
+
+    Args:
+        request_id: an id as ``request_id`` made it (``k:...``, ``r:...``, ``g:...``).
+
+    Returns:
+        The id without its prefix (an id without a known prefix unchanged).
+    """
+    if request_id[:2] in REQUEST_ID_PREFIXES and len(request_id) > 2:
+        return request_id[2:]
+    return request_id
+
+
+def response_id(request: Request) -> str:
+    """The id a response carries (``X-Request-Id`` and the error body): ``shown_id`` of the
+    id the request's charge is tied to, even for a request that charges nothing.
+
+    A malformed Idempotency-Key (answered 400 by the route) gets API Gateway's id, or a
+    new one, so that answer too has an id to quote.
+    """
+    try:
+        return shown_id(request_id(request))
+    except InvalidRequest:
+        event = request.scope.get("aws.event") or {}
+        gateway_id = (event.get("requestContext") or {}).get("requestId")
+        if isinstance(gateway_id, str) and gateway_id:
+            return gateway_id[:MAX_IDEMPOTENCY_KEY]
+        return uuid.uuid4().hex

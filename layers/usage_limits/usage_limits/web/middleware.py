@@ -12,7 +12,9 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
 5. refunds the request's charge when it did not succeed: the route raised, or the
    response status is 4xx/5xx (a ``yield`` dependency sees raised exceptions but not a
    5xx that a route returns, which is why this lives here);
-6. turns any unhandled exception into the public 500 error body.
+6. turns any unhandled exception into the public 500 error body;
+7. gives every response the request's id in ``X-Request-Id`` (and every error body, through
+   ``errors.current_request_id``): the id ``GET /v1/usage`` lists and support refunds by.
 
 Everything after the route shares one clean-up budget (``Cleanup``), which ends
 ``CLEANUP_SHARE`` of the deadline margin after the request's deadline, so a quarter of
@@ -45,7 +47,7 @@ from ..deadline import deadline_scope, request_budget_s
 from . import events, identity, refunds
 from . import idempotency as idem
 from . import observability as obs
-from .errors import ApiError, error_response
+from .errors import ApiError, current_request_id, error_response
 from .guard import STATE_KEY, RequestState
 from .settings import settings
 
@@ -65,6 +67,10 @@ class Cleanup:
         return max(0.0, self.end - time.monotonic())
 
 
+#: The response header that carries the request's id (``identity.response_id``).
+REQUEST_ID_HEADER = b"x-request-id"
+
+
 class UsageLimitsMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -74,17 +80,23 @@ class UsageLimitsMiddleware:
             await self.app(scope, receive, send)
             return
         status = 0
+        rid = identity.response_id(Request(scope))
+        rid_header = (REQUEST_ID_HEADER, rid.encode())
 
         async def send_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                headers = [h for h in message.get("headers", []) if h[0] != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, rid_header]}
             await send(message)
 
         cleanup = Cleanup()
+        token = current_request_id.set(rid)
         try:
             await self._serve(scope, receive, send_status, cleanup)
         finally:
+            current_request_id.reset(token)
             if not await events.drain(cleanup.left_s()):
                 obs.logger().warning("events still being published at the clean-up bound")
             obs.request_done(_route_key(scope), status or 500)
@@ -114,7 +126,7 @@ class UsageLimitsMiddleware:
                    state: RequestState, cleanup: Cleanup) -> None:
         started = time.perf_counter()
         log = obs.logger()
-        log.append_keys(request_id=_request_id(scope),
+        log.append_keys(request_id=_request_id(scope), x_request_id=current_request_id.get(),
                         route=f"{scope.get('method')} {scope.get('path')}", user=None)
         if refunds.pending() or idem.kept():  # each bounded, both at once
             await asyncio.gather(refunds.retry(), idem.retry())

@@ -191,3 +191,23 @@ def test_the_cli_never_imports_the_layers() -> None:
                             env={"PYTHONPATH": str(ROOT / "tools"), "PATH": "/usr/bin:/bin"},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_an_explicit_stack_beats_the_environment_and_every_change_names_its_target(
+        server: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--stack wins over ATTO_ADMIN_URL; a change prints where it goes; a change to a prod
+    stack is refused without --yes when there is no terminal to ask on."""
+    from atto_admin import cli
+
+    monkeypatch.setenv("ATTO_ADMIN_URL", "http://127.0.0.1:9")
+    monkeypatch.setattr(cli, "stack_url", lambda name, **kw: server)
+    Captured.answer = (200, {"user_id": "u", "override": {"plan": "pro"}})
+    assert main(["--stack", "atto-cloud-dev", "plan", "set", "u", "pro", "--reason", "r"]) == 0
+    assert f"plan set -> {server} (stack atto-cloud-dev)" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    assert main(["plan", "set", "u", "pro", "--reason", "r", "--stack", "atto-cloud-prod"]) == 1
+    assert "pass --yes" in capsys.readouterr().err
+    assert main(["--stack", "atto-cloud-prod", "--yes", "plan", "set", "u", "pro",
+                 "--reason", "r"]) == 0
+    assert "(stack atto-cloud-prod)" in capsys.readouterr().err

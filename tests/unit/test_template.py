@@ -371,13 +371,14 @@ def test_entitlements_table_is_durable_and_matches_the_store(template: dict[str,
 
 #: The DynamoDB actions each holder may use on the entitlements table: the operator API
 #: reads and writes it; the request path only loads (Query, a new epoch by UpdateItem) and,
-#: where it charges, records draws (a transaction of a ConditionCheck and Updates).
+#: where it charges, records draws (a transaction of a ConditionCheck and Updates) and reads
+#: a charge's credit record back (GetItem).
 TABLE_ACTIONS = {
     "AdminFunctionRole": {"dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem",
                           "dynamodb:DeleteItem", "dynamodb:Query",
                           "dynamodb:ConditionCheckItem"},
     "EntitlementsLoadPolicy": {"dynamodb:Query", "dynamodb:UpdateItem"},
-    "EntitlementsDrawPolicy": {"dynamodb:Query", "dynamodb:UpdateItem",
+    "EntitlementsDrawPolicy": {"dynamodb:GetItem", "dynamodb:Query", "dynamodb:UpdateItem",
                                "dynamodb:ConditionCheckItem"},
 }
 

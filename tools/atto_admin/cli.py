@@ -33,10 +33,13 @@ DEFAULT_STACK = "atto-cloud-dev"
 
 DESCRIPTION = "The Atto Cloud operator CLI: one command per route of the operator API."
 EPILOG = f"""where it connects:
-  --url, else ${URL_ENV}, else the AdminApiUrl output of the stack --stack (else
-  ${STACK_ENV}). With none of them set, a make serve answering on 127.0.0.1:$PORT
-  (PORT default 8000), else the stack {DEFAULT_STACK}. A loopback URL is never signed.
-  The options above go before or after the command.
+  --url, else the AdminApiUrl output of the stack --stack (a flag beats the
+  environment), else ${URL_ENV}, else the stack ${STACK_ENV}. With none of them set,
+  a make serve answering on 127.0.0.1:$PORT (PORT default 8000), else the stack
+  {DEFAULT_STACK}. A loopback URL is never signed.
+  The options above go before or after the command. Every change prints where it
+  goes on stderr; a change to a stack whose name contains "prod" asks first (--yes:
+  do not ask; with no terminal to ask on, it is refused without --yes).
 
 exit status: 0 done, 1 the API refused (its code, message and details go to stderr),
   2 bad usage."""
@@ -44,7 +47,10 @@ exit status: 0 done, 1 the API refused (its code, message and details go to stde
 #: The global options' values when not given (they are SUPPRESSed in every parser, so
 #: one given after the command is not overwritten by the top level's default).
 GLOBAL_DEFAULTS: dict[str, Any] = {"url": None, "stack": None, "region": None,
-                                   "profile": None, "sign": None, "json": False}
+                                   "profile": None, "sign": None, "json": False, "yes": False}
+#: The commands that change something (the others only read).
+CHANGES = ("plan set", "plan clear", "grant add", "grant void", "refund", "suspend",
+           "unsuspend")
 
 
 def _global_options() -> argparse.ArgumentParser:
@@ -61,6 +67,8 @@ def _global_options() -> argparse.ArgumentParser:
     sign.add_argument("--no-sign", dest="sign", action="store_false",
                       help="do not sign (make serve)")
     p.add_argument("--json", action="store_true", help="print the API's JSON answer")
+    p.add_argument("--yes", action="store_true",
+                   help="do not ask before a change to a production stack")
     return p
 
 
@@ -157,26 +165,32 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def resolve_url(args: argparse.Namespace) -> str:
-    """The operator API's URL: ``--url``, ``ATTO_ADMIN_URL``, the named stack's output, a
-    running ``make serve`` (a note on stderr), else the default stack's output.
+def resolve_target(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The operator API's URL and the stack it belongs to (None: a URL given as such):
+    ``--url``, ``--stack`` (a flag beats the environment), ``ATTO_ADMIN_URL``,
+    ``ATTO_STACK``, a running ``make serve`` (a note on stderr), else the default stack.
 
     Raises:
         AdminError: the stack's output cannot be read (the message says which flag to pass).
     """
-    url = args.url or os.environ.get(URL_ENV)
+    if args.url:
+        return str(args.url), None
+    if args.stack:
+        return stack_url(args.stack, region=args.region, profile=args.profile), args.stack
+    url = os.environ.get(URL_ENV)
     if url:
-        return str(url)
-    stack = args.stack or os.environ.get(STACK_ENV)
+        return str(url), None
+    stack = os.environ.get(STACK_ENV)
     if stack:
-        return stack_url(stack, region=args.region, profile=args.profile)
+        return stack_url(stack, region=args.region, profile=args.profile), stack
     local = local_serve_url()
     if local is not None:
         print(f"atto-admin: using make serve at {local} (pass --stack NAME for a deployed "
               "stack)", file=sys.stderr)
-        return local
+        return local, None
     try:
-        return stack_url(DEFAULT_STACK, region=args.region, profile=args.profile)
+        return stack_url(DEFAULT_STACK, region=args.region, profile=args.profile), \
+            DEFAULT_STACK
     except AdminError as exc:
         exc.message += ("; no make serve answers on 127.0.0.1 either: start `make serve`, "
                         "or pass --url URL, or --stack NAME (and --profile) for a deployed "
@@ -184,11 +198,39 @@ def resolve_url(args: argparse.Namespace) -> str:
         raise
 
 
+def resolve_url(args: argparse.Namespace) -> str:
+    """The operator API's URL (``resolve_target``)."""
+    return resolve_target(args)[0]
+
+
+def confirm_change(args: argparse.Namespace, url: str, stack: str | None) -> bool:
+    """Say where a change goes (stderr); for a production stack, ask unless ``--yes``.
+
+    Returns:
+        False when the change must not be made (refused, or no terminal to ask on).
+    """
+    command = args.command + (" " + args.action if getattr(args, "action", None) else "")
+    if command not in CHANGES:
+        return True
+    where = f"{url} (stack {stack})" if stack else url
+    print(f"atto-admin: {command} -> {where}", file=sys.stderr)
+    if stack is None or "prod" not in stack.lower() or args.yes:
+        return True
+    if not sys.stdin.isatty():
+        print(f"atto-admin: {stack} is a production stack; pass --yes to change it",
+              file=sys.stderr)
+        return False
+    answer = input(f"change {stack}? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; the process exit status."""
     args = parse(argv)
     try:
-        url = resolve_url(args)
+        url, stack = resolve_target(args)
+        if not confirm_change(args, url, stack):
+            return 1
         client = AdminClient(url, sign=args.sign, region=args.region, profile=args.profile)
         answer = run(client, args)
     except AdminError as exc:

@@ -234,3 +234,18 @@ async def test_no_thresholds_reports_nothing(standalone_client: Any) -> None:
     plain = TokenBudget(standalone_client, [Window(100, 3600)], thresholds=Thresholds(()))
     reservation = await plain.reserve(uuid.uuid4().hex, "a", 100, now_ms=1_700_000_000_000)
     assert reservation.allowed and reservation.crossings == ()
+
+
+async def test_a_charge_undone_at_once_restores_the_levels_it_set(budget: TokenBudget) -> None:
+    """A charge whose crossings were never reported (it was undone at once: its draw could
+    not be recorded) gives its levels back with its refund: the next charge that crosses
+    reports them, 80 and 100 alike, and a re-sent refund changes nothing more."""
+    user, now = uuid.uuid4().hex, 1_700_000_000_000
+    await budget.reserve(user, "base", 76, now_ms=now)
+    undone = await budget.reserve(user, "undone", 24, now_ms=now)  # 100: crosses 80 and 100
+    assert [c.threshold for c in undone.crossings] == [80, 100]
+    assert await budget.refund(user, "undone", nonce=undone.nonce, uncross=undone.crossings)
+    assert not await budget.refund(user, "undone", nonce=undone.nonce,
+                                   uncross=undone.crossings)
+    assert await _crossed(budget, user, 6, now) == [80]  # 82: reported now
+    assert await _crossed(budget, user, 18, now) == [100]

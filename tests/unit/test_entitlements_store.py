@@ -365,3 +365,68 @@ def test_credit_reports_are_kept_with_the_grant(store: EntitlementStore) -> None
     assert store.commit_draw("d9", "r:1", "n1", [("a", 5)], epoch, cost=5,
                              reported={"a": "lx"}) == "recorded"
     assert store.load("d9").grants[0].reported == "lx"
+
+
+class _Refusing:
+    """A DynamoDB client whose next ``times`` transactions are refused with ``code``."""
+
+    def __init__(self, client: object, code: str, times: int) -> None:
+        self._client, self.code, self.times = client, code, times
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+    def transact_write_items(self, **kwargs: object) -> object:
+        from botocore.exceptions import ClientError
+
+        if self.times > 0:
+            self.times -= 1
+            if self.code == "TransactionConflict":
+                items = kwargs["TransactItems"]
+                assert isinstance(items, list)
+                raise ClientError({"Error": {"Code": "TransactionCanceledException"},
+                                   "CancellationReasons": [{"Code": self.code}] * len(items)},
+                                  "TransactWriteItems")
+            raise ClientError({"Error": {"Code": self.code}}, "TransactWriteItems")
+        return self._client.transact_write_items(**kwargs)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("code", ["TransactionConflict", "ThrottlingException",
+                                  "ProvisionedThroughputExceededException"])
+def test_refused_operator_changes_write_nothing_and_can_be_repeated(
+        store: EntitlementStore, code: str) -> None:
+    """An operator change refused by DynamoDB (a conflicting transaction, throttling) raises
+    StoreUnavailable with nothing written, not even its audit entry; repeated, it lands."""
+    refusing = EntitlementStore(store.settings, client=_Refusing(store.client, code, 1))
+    with pytest.raises(StoreUnavailable):
+        refusing.create_grant("o1", tokens=5, kind="paid", reference="inv", expires_at_ms=None,
+                              actor="op", reason="r")
+    assert store.load("o1").grants == () and store.audit("o1") == []
+    _, created = refusing.create_grant("o1", tokens=5, kind="paid", reference="inv",
+                                       expires_at_ms=None, actor="op", reason="r")
+    assert created and [e.action for e in store.audit("o1")] == ["grant.create"]
+
+
+@pytest.mark.parametrize("code", ["TransactionConflict", "ThrottlingException"])
+def test_refused_draws_and_returns(store: EntitlementStore, code: str) -> None:
+    """On the request path a conflicting transaction is retried (the draw and the return
+    land once); throttling raises StoreUnavailable with nothing written."""
+    _grant(store, "o2", "a", 10)
+    epoch = store.bump_epoch("o2")
+    refusing = EntitlementStore(store.settings, client=_Refusing(store.client, code, 1))
+    if code == "TransactionConflict":
+        assert refusing.commit_draw("o2", "r:1", "n1", [("a", 4)], epoch, cost=4) == "recorded"
+        refusing.client.times = 1
+        assert refusing.return_credit("o2", "r:1", "n1", 0).returned == (("a", 4),)
+    else:
+        with pytest.raises(StoreUnavailable):
+            refusing.commit_draw("o2", "r:1", "n1", [("a", 4)], epoch, cost=4)
+        assert store.charge_records("o2") == []
+        assert refusing.commit_draw("o2", "r:1", "n1", [("a", 4)], epoch, cost=4) == "recorded"
+        refusing.client.times = 1
+        with pytest.raises(StoreUnavailable):
+            refusing.return_credit("o2", "r:1", "n1", 0)
+        assert store.load("o2").grants[0].consumed == 4
+        assert refusing.return_credit("o2", "r:1", "n1", 0).returned == (("a", 4),)
+    assert store.load("o2").grants[0].consumed == 0
+    consumption_is_its_records(store, "o2")

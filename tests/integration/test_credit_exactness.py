@@ -360,3 +360,15 @@ def test_credit_low_is_reported_once_across_a_reload(env: Any,
     assert embed(user, 1) == [200]  # exhausted now: one more report, never a second low
     assert sent == ["low", "exhausted"]
     books_balance(user)
+
+
+def test_a_draw_crossing_low_and_exhausted_at_once_keeps_both(env: Any) -> None:
+    """A draw that takes a grant from full to empty reports low and exhausted, and both are
+    kept with the grant in DynamoDB, so a reload reports neither again."""
+    user = uuid.uuid4().hex
+    grant(user, "one", 1)
+    fill_quota(user)
+    assert embed(user, 1) == [200]
+    [g] = store().load(user).grants
+    assert (g.consumed, g.reported) == (1, "lx")
+    books_balance(user)

@@ -219,8 +219,10 @@ class EntitlementCache:
             refund it, the copy gets the credit back) or ``unknown`` (DynamoDB did not
             answer: refund it through ``lower``, which settles the record when it can).
         """
-        reported = {c.reference: "l" if c.kind == "low" else "x"
-                    for c in reservation.credit_crossings}
+        reported: dict[str, str] = {}
+        for c in reservation.credit_crossings:  # a draw may cross both of one grant's
+            reported[c.reference] = reported.get(c.reference, "") + (
+                "l" if c.kind == "low" else "x")
         epoch = reservation.epoch
         for _ in range(MAX_REBASES + 1):
             try:

@@ -19,7 +19,7 @@ from fastapi import Body, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
-from usage_limits.entitlements import Grant, NotFound, StoreUnavailable, iso
+from usage_limits.entitlements import Grant, GrantConflict, NotFound, StoreUnavailable, iso
 from usage_limits.entitlements.exceptions import NotRefreshed
 from usage_limits.entitlements.models import MAX_GRANT_TOKENS, MAX_REASON, Change, Suspension
 from usage_limits.entitlements.operator import Operator, Picture
@@ -93,6 +93,18 @@ async def not_found(_: Request, exc: NotFound) -> JSONResponse:
     return error_response(404, "not_found", str(exc))
 
 
+@app.exception_handler(GrantConflict)
+async def grant_conflict(_: Request, exc: GrantConflict) -> JSONResponse:
+    existing = exc.existing
+    assert isinstance(existing, Grant)
+    asked = dict(exc.asked)
+    asked["expires_at"] = iso(asked.pop("expires_at_ms"))  # type: ignore[arg-type]
+    return error_response(409, "grant_conflict", str(exc),
+                          existing={"tokens": existing.tokens, "kind": existing.kind,
+                                    "expires_at": iso(existing.expires_at_ms)},
+                          asked=asked)
+
+
 @app.exception_handler(NotRefreshed)
 async def not_refreshed(_: Request, exc: NotRefreshed) -> JSONResponse:
     return error_response(503, "not_refreshed", str(exc), headers=retry_after_header(1))
@@ -101,7 +113,8 @@ async def not_refreshed(_: Request, exc: NotRefreshed) -> JSONResponse:
 @app.exception_handler(StoreUnavailable)
 async def store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
     return error_response(503, "store_unavailable",
-                          "the entitlements store is unavailable; nothing was changed",
+                          "the entitlements store is unavailable; the change may not have "
+                          "been made: repeat the call (every change is idempotent)",
                           headers=retry_after_header(1))
 
 

@@ -241,10 +241,18 @@ def test_settle_gives_the_unused_credit_back(env: Any, monkeypatch: pytest.Monke
 
 
 def test_grant_creation_is_idempotent_and_voiding_stops_draws(env: Any) -> None:
-    """The same reference twice adds credit once; a voided grant covers nothing more."""
+    """The same reference twice adds credit once (other terms: 409 showing both); a voided
+    grant covers nothing more."""
     user = uuid.uuid4().hex
     assert grant(user, "inv", 3).status == 201
-    assert grant(user, "inv", 300).status == 200
+    assert grant(user, "inv", 3).status == 200
+    event = http_event("POST", f"/admin/v1/users/{user}/grants", user=None, body={
+        "tokens": 300, "kind": "paid", "reference": "inv", "reason": "test"})
+    event["requestContext"]["authorizer"] = {"iam": {"userArn": OPERATOR}}
+    conflict = invoke(admin.handler, event)
+    assert conflict.status == 409 and conflict.body["error"]["code"] == "grant_conflict"
+    assert (conflict.body["error"]["existing"]["tokens"],
+            conflict.body["error"]["asked"]["tokens"]) == (3, 300)
     assert embed(user, 6) == [200] * 6
     assert remaining(user) == {"inv": 1}
     op("DELETE", f"/admin/v1/users/{user}/grants/inv", {"reason": "charge-back"})

@@ -199,7 +199,8 @@ def test_audit_details_write_instants_as_rfc3339(env: str) -> None:
     assert details["grant.create"] == {"reference": "camp-t", "tokens": 5, "kind": "promo",
                                        "expires_at": "2099-01-31T00:00:00.000Z"}
     assert details["suspension.set"] == {"until": "2099-02-01T10:00:00.000Z"}
-    assert details["refund"] == {"request_id": "gw-audit-1", "tokens": 1}
+    assert details["refund"] == {"request_id": "gw-audit-1", "tokens": 1, "credit": [],
+                                 "forfeited": []}
     assert "_ms" not in json.dumps(entries)
 
 

@@ -52,15 +52,21 @@ def test_override_set_replace_and_clear(store: EntitlementStore) -> None:
 
 
 def test_grant_creation_is_idempotent_by_reference(store: EntitlementStore) -> None:
-    """The same reference twice returns the first grant and never adds a second one."""
+    """The same reference with the same terms returns the first grant and adds nothing; with
+    other terms it is a GrantConflict naming both, and nothing is written."""
+    from usage_limits.entitlements import GrantConflict
+
     first, created = store.create_grant("u2", tokens=500, kind="paid", reference="inv_1",
                                         expires_at_ms=None, actor="arn:op", reason="bought")
-    again, created_again = store.create_grant("u2", tokens=900, kind="promo",
+    again, created_again = store.create_grant("u2", tokens=500, kind="paid",
                                               reference="inv_1", expires_at_ms=None,
                                               actor="arn:op", reason="retry")
-    assert (created, created_again) == (True, False)
-    assert again == first and again.tokens == 500 and again.kind == "paid"
-    assert len(store.load("u2").grants) == 1
+    assert (created, created_again) == (True, False) and again == first
+    with pytest.raises(GrantConflict) as conflict:
+        store.create_grant("u2", tokens=999, kind="promo", reference="inv_1",
+                           expires_at_ms=None, actor="arn:op", reason="other terms")
+    assert conflict.value.existing == first and conflict.value.asked["tokens"] == 999
+    assert len(store.load("u2").grants) == 1 and store.load("u2").grants[0].tokens == 500
     assert [e.action for e in store.audit("u2")] == ["grant.create"]
 
 

@@ -6,7 +6,13 @@ boto3 only when it is first used, so importing this package stays cheap.
 
 from __future__ import annotations
 
-from .exceptions import EntitlementError, NotFound, NotRefreshed, StoreUnavailable
+from .exceptions import (
+    EntitlementError,
+    GrantConflict,
+    NotFound,
+    NotRefreshed,
+    StoreUnavailable,
+)
 from .models import (
     GRANT_KINDS,
     AuditEntry,
@@ -23,6 +29,7 @@ from .plans import SINGLE_PLAN_NAME, Plan, Plans, ResolvedPlan, claim_names, par
 
 __all__ = [
     "GRANT_KINDS", "SINGLE_PLAN_NAME", "AuditEntry", "Change", "EntitlementError", "Grant",
+    "GrantConflict",
     "NotFound", "NotRefreshed", "Plan", "PlanOverride", "Plans", "ResolvedPlan", "StoreUnavailable",
     "SupportRefund", "Suspension", "UserEntitlements", "claim_names", "iso", "parse_time",
     "parse_windows",

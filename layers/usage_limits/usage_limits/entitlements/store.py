@@ -58,7 +58,7 @@ from .charges import (
     totals,
 )
 from .config import StoreSettings, store_settings
-from .exceptions import NotFound, StoreUnavailable
+from .exceptions import GrantConflict, NotFound, StoreUnavailable
 from .models import (
     GRANT_KINDS,
     MAX_GRANT_TOKENS,
@@ -416,11 +416,13 @@ class EntitlementStore:
 
         Returns:
             The grant and True when this call created it; the existing grant and False when
-            the reference was used before (whatever the other fields say now).
+            the reference was used before with the same terms (a retry).
 
         Raises:
             InvalidArgument: tokens not 1..10**12, an unknown kind, a bad reference, or an
                 expiry that is not in the future.
+            GrantConflict: the reference was used before with other terms (nothing is
+                written: a top-up is a new grant with a new reference).
         """
         now = now_ms or _now_ms()
         change = Change(actor, check_reason(reason), now)
@@ -446,6 +448,12 @@ class EntitlementStore:
         existing = self.grant(user_id, reference)
         if existing is None:  # created and deleted in between: never happens (no deletes)
             raise StoreUnavailable("the grant vanished while it was being created")
+        asked: dict[str, object] = {"tokens": tokens, "kind": kind,
+                                    "expires_at_ms": expires_at_ms}
+        if (existing.tokens, existing.kind, existing.expires_at_ms) != tuple(asked.values()):
+            raise GrantConflict(f"the reference {reference!r} names a grant with other terms; "
+                                "a top-up or an extension is a new grant with a new "
+                                "reference", existing=existing, asked=asked)
         return existing, False
 
     def void_grant(self, user_id: str, reference: str, *, actor: str, reason: str,

@@ -120,7 +120,10 @@ def function_env(redis: FleetRedis, emu: EmulatorProcess,
            "SALARY_BASE_URL": emu.adzuna_base_url, "SALARY_APP_ID": "fleet",
            "SALARY_APP_KEY": "fleet-key",
            "SEARCH_BASE_URL": emu.tavily_base_url, "SEARCH_API_KEY": "fleet-search-key",
-           "SEARCH_CONCURRENCY": str(SEARCH_CONCURRENCY)}
+           "SEARCH_CONCURRENCY": str(SEARCH_CONCURRENCY),
+           # the emulator holds one limit for the whole llm family (its rate below), and the
+           # check counts its calls together: one throttle for the provider, not per model
+           "LLM_THROTTLE_BY": "provider"}
     for family, rate in PROVIDERS.items():
         env[f"{family.upper()}_RATE"] = rate
         env[f"{family.upper()}_BURST"] = "1"  # then no window of per_s holds more than rate

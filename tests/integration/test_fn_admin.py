@@ -117,8 +117,9 @@ def test_override_shows_in_the_picture_and_is_audited_with_the_principal(env: st
 
 
 def test_grant_is_created_once_per_reference_and_voided(env: str) -> None:
-    """POST grants answers 201 then 200 with the same grant for the same reference; DELETE
-    voids it; the picture shows the grant and the live credit."""
+    """POST grants answers 201 then 200 with the same grant for the same reference and terms
+    (409 with other terms, nothing added); DELETE voids it; the picture shows the grant and
+    the live credit."""
     user = uuid.uuid4().hex
     body = {"tokens": 500, "kind": "paid", "reference": "inv_123",
             "expires_at": "2099-01-31T00:00:00Z", "reason": "bought 500 tokens"}
@@ -127,9 +128,11 @@ def test_grant_is_created_once_per_reference_and_voided(env: str) -> None:
     grant = first.body["grant"]
     assert (grant["tokens"], grant["remaining"], grant["kind"], grant["expires_at"]) == \
         (500, 500, "paid", "2099-01-31T00:00:00.000Z")
-    second = call("POST", f"/admin/v1/users/{user}/grants", {**body, "tokens": 900})
+    second = call("POST", f"/admin/v1/users/{user}/grants", {**body, "reason": "retry"})
     assert second.status == 200 and second.body["created"] is False
     assert second.body["grant"]["tokens"] == 500
+    other = call("POST", f"/admin/v1/users/{user}/grants", {**body, "tokens": 900})
+    assert other.status == 409 and other.body["error"]["code"] == "grant_conflict"
     picture = call("GET", f"/admin/v1/users/{user}").body
     assert len(picture["grants"]) == 1 and picture["credit"] == 500
     voided = call("DELETE", f"/admin/v1/users/{user}/grants/inv_123", {"reason": "chargeback"})

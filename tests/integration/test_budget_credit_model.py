@@ -269,15 +269,29 @@ class CreditMachine(RuleBasedStateMachine):
         assert sum(g.remaining for g in report.grants) == spendable
 
 
+def _aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "testing",
+                        "AWS_SECRET_ACCESS_KEY": "testing"}.items():
+        monkeypatch.setenv(name, value)
+
+
+def _table() -> Any:
+    """A moto DynamoDB client with the model's table (inside ``mock_aws``)."""
+    import boto3
+
+    boto = boto3.client("dynamodb", region_name="us-east-1")
+    EntitlementStore(StoreSettings(table="credit-model", region="us-east-1"),
+                     client=boto).create_table()
+    return boto
+
+
 @pytest.mark.parametrize("topology", ["standalone", pytest.param("cluster",
                                                                  marks=pytest.mark.cluster)])
 def test_credit_in_both_stores_matches_the_model(topology: str, request: pytest.FixtureRequest,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Any sequence of requests, operator changes, reloads, flushes and faults in both
     stores keeps paid credit exact: DynamoDB's books, the copy and the reference agree."""
-    for name, value in {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "testing",
-                        "AWS_SECRET_ACCESS_KEY": "testing"}.items():
-        monkeypatch.setenv(name, value)
+    _aws_env(monkeypatch)
     loop = asyncio.new_event_loop()
     if topology == "cluster":
         cluster = request.getfixturevalue("redis_cluster")
@@ -288,11 +302,8 @@ def test_credit_in_both_stores_matches_the_model(topology: str, request: pytest.
         client = aioredis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5.0)
     base = settings()
     with mock_aws():
-        import boto3
 
-        boto = boto3.client("dynamodb", region_name="us-east-1")
-        EntitlementStore(StoreSettings(table="credit-model", region="us-east-1"),
-                         client=boto).create_table()
+        boto = _table()
         CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
         try:
             run_state_machine_as_test(CreditMachine, settings=settings(
@@ -308,17 +319,12 @@ def test_a_refund_after_a_reload_leaves_the_copy_equal_to_dynamodb(
     """An explicit case of the model: a charge drawn, the copy reloaded, the request fails:
     DynamoDB gets the credit back and so does what the user can spend (the copy, not the
     one the charge drew from, is dropped and reloads)."""
-    import boto3
 
-    for name, value in {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "testing",
-                        "AWS_SECRET_ACCESS_KEY": "testing"}.items():
-        monkeypatch.setenv(name, value)
+    _aws_env(monkeypatch)
     loop = asyncio.new_event_loop()
     client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
     with mock_aws():
-        boto = boto3.client("dynamodb", region_name="us-east-1")
-        EntitlementStore(StoreSettings(table="credit-model", region="us-east-1"),
-                         client=boto).create_table()
+        boto = _table()
         CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
         try:
             machine = CreditMachine()

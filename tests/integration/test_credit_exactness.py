@@ -40,6 +40,21 @@ def patch() -> Any:
         yield mp
 
 
+class Down:
+    """A store that answers nothing: every call raises StoreUnavailable, after running the
+    real call for the names in ``applied`` (a write that landed, its answer lost)."""
+
+    def __init__(self, applied: dict[str, Any] | None = None) -> None:
+        self.applied = applied or {}
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            if name in self.applied:
+                self.applied[name](*args, **kwargs)
+            raise StoreUnavailable("unreachable")
+        return fail
+
+
 def books_balance(user: str) -> None:
     """Every grant's consumed is what its charge records hold, and the user's copy shows
     DynamoDB's remaining credit."""
@@ -232,15 +247,7 @@ def test_a_draw_whose_outcome_cannot_be_known_never_says_nothing_was_charged(
     good = cache.store
     real = good.commit_draw
 
-    class Down:
-        def __getattr__(self, name: str) -> Any:
-            def fail(*args: Any, **kwargs: Any) -> Any:
-                if name == "commit_draw":
-                    real(*args, **kwargs)
-                raise StoreUnavailable("unreachable")
-            return fail
-
-    cache.store = Down()  # type: ignore[assignment]
+    cache.store = Down(applied={"commit_draw": real})  # type: ignore[assignment]
     try:
         res = embed_one(user)
     finally:
@@ -320,12 +327,6 @@ def test_a_suspended_user_gets_no_replay_while_dynamodb_is_down(env: Any) -> Non
     cache = runtime.get_entitlements()
     assert cache is not None
     good = cache.store
-
-    class Down:
-        def __getattr__(self, name: str) -> Any:
-            def fail(*args: Any, **kwargs: Any) -> Any:
-                raise StoreUnavailable("unreachable")
-            return fail
 
     cache.store = Down()  # type: ignore[assignment]
     try:

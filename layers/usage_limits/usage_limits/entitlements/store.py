@@ -159,6 +159,12 @@ def _cancel_codes(exc: Any) -> list[str | None]:
     return [r.get("Code") if r.get("Code") != "None" else None for r in reasons]
 
 
+def _cancelled(op: str, codes: list[str | None], exc: Any) -> StoreUnavailable:
+    """The error of a transaction DynamoDB cancelled or refused for good."""
+    return StoreUnavailable(f"the entitlements store cancelled a {op}: "
+                            f"{codes or exc.response.get('Error', {}).get('Code')}")
+
+
 class ExtraConditionFailed(Exception):  # noqa: N818  (internal signal, not a public error)
     """An extra item of a return failed its condition (``index`` among the extra items)."""
 
@@ -321,18 +327,7 @@ class EntitlementStore:
 
         A user never seen gets an empty record.
         """
-        items: list[dict[str, Any]] = []
-        kwargs: dict[str, Any] = {
-            "TableName": self.table, "ConsistentRead": True,
-            "KeyConditionExpression": "pk = :pk AND begins_with(sk, :e)",
-            "ExpressionAttributeValues": self._ser({":pk": _pk(user_id), ":e": "E#"}),
-        }
-        while True:
-            reply = self._call(self.client.query, **kwargs)
-            items.extend(self._de(item) for item in reply.get("Items", []))
-            if "LastEvaluatedKey" not in reply:
-                break
-            kwargs["ExclusiveStartKey"] = reply["LastEvaluatedKey"]
+        items = self._query_prefix(user_id, "E#")
         override = suspension = None
         grants = []
         for item in items:
@@ -614,9 +609,7 @@ class EntitlementStore:
                 if "TransactionConflict" in codes and attempt + 1 < _CONFLICT_ATTEMPTS:
                     time.sleep(0.01 * 2 ** attempt)
                     continue
-                raise StoreUnavailable(f"the entitlements store cancelled a draw: "
-                                       f"{codes or exc.response.get('Error', {}).get('Code')}"
-                                       ) from exc
+                raise _cancelled("draw", codes, exc) from exc
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def charge_record(self, user_id: str, request_id: str, nonce: str) -> ChargeRecord | None:
@@ -710,9 +703,7 @@ class EntitlementStore:
                 if "TransactionConflict" in codes and attempt + 1 < _RETURN_ATTEMPTS:
                     time.sleep(0.01 * 2 ** attempt)
                     continue
-                raise StoreUnavailable(f"the entitlements store cancelled a return: "
-                                       f"{codes or exc.response.get('Error', {}).get('Code')}"
-                                       ) from exc
+                raise _cancelled("return", codes, exc) from exc
             if record is None:
                 return CreditReturn(changed=True, existed=False)
             return CreditReturn(changed=True, existed=True, returned=returned, forfeited=lost,

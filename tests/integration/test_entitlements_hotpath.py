@@ -445,3 +445,63 @@ def test_a_cost_the_override_can_never_fit_names_the_overrides_window(env: Any) 
     assert res.status == 422 and res.body["error"]["code"] == "cost_exceeds_plan"
     assert (res.body["error"]["limit"], res.body["error"]["window_s"]) == (5, 3600)
     assert [w["used"] for w in usage(user, "[pro]").body["windows"]] == [0, 0]
+
+
+def structured(user: str, groups: str | None = None) -> Result:
+    """One structured request (8 tokens)."""
+    event = _claims(http_event("POST", "/v1/structured", user=user, body={
+        "prompt": "x", "schema": {"type": "string"}}), groups)
+    return invoke(importlib.import_module("functions.structured.app").handler, event)
+
+
+def test_credit_pays_the_part_of_a_request_beyond_the_quota(env: Any) -> None:
+    """On free (a quota of 4 a month) a structured request of 8 tokens is served with 484
+    of credit: the quota pays 4, the grant the other 4, in Redis and DynamoDB alike."""
+    user = uuid.uuid4().hex
+    grant(user, "inv_big", 484)
+    res = structured(user)
+    assert res.status == 200, res.body
+    assert remaining(user) == {"inv_big": 480} and consumed(user) == {"inv_big": 4}
+    assert [w["used"] for w in usage(user).body["windows"]] == [8, 4]
+    again = structured(user)  # the quota is full now: credit pays all 8
+    assert again.status == 200 and remaining(user) == {"inv_big": 472}
+
+
+def test_a_cost_above_the_quota_without_enough_credit_says_what_credit_would_do(
+        env: Any) -> None:
+    """With 3 tokens of credit an 8-token request on free (quota 4) is 422 naming the credit
+    it needs (4) and has (3), and nothing is charged or drawn."""
+    user = uuid.uuid4().hex
+    grant(user, "inv_small", 3)
+    res = structured(user)
+    assert res.status == 422 and res.body["error"]["code"] == "cost_exceeds_plan"
+    err = res.body["error"]
+    assert (err["limit"], err["window_s"], err["credit"], err["credit_needed"]) == (
+        4, 2592000, 3, 4)
+    assert "more credit would let it be served" in err["message"]
+    assert remaining(user) == {"inv_small": 3}
+    assert [w["used"] for w in usage(user).body["windows"]] == [0, 0]
+
+
+def test_a_cost_above_a_shorter_window_says_credit_cannot_pay(env: Any) -> None:
+    """On mini (5 an hour) an 8-token request is 422 whatever the credit: the message says
+    credit pays only beyond the quota, and the body names no credit needed."""
+    user = uuid.uuid4().hex
+    grant(user, "inv_mini", 500)
+    res = structured(user, "[mini]")
+    err = res.body["error"]
+    assert res.status == 422 and (err["limit"], err["window_s"]) == (5, 3600)
+    assert "credit cannot pay for it" in err["message"] and "credit_needed" not in err
+    assert remaining(user) == {"inv_mini": 500}
+
+
+def test_a_full_quota_with_short_credit_is_429_saying_so(env: Any) -> None:
+    """With the quota spent and 5 tokens of credit, an 8-token request is 429 whose message
+    says the credit does not cover it, and whose wait frees the 3 quota tokens it lacks."""
+    user = uuid.uuid4().hex
+    assert embed(user, 4) == [200] * 4  # the quota of 4, spent
+    grant(user, "inv_five", 5)
+    res = structured(user)
+    assert res.status == 429 and res.body["error"]["credit"] == 5
+    assert "your credit (5 tokens) does not cover" in res.body["error"]["message"]
+    assert 29 * 86400 < res.body["error"]["retry_after_s"] <= 30 * 86400

@@ -447,9 +447,10 @@ class TokenBudget:
         self._ent_args = (credit_low_percent, margin, self._catalog_arg)
         self._ent_arg: dict[str, bytes] = {}  # ARGV[9] of the reserve script, per plan name
         self._threshold_arg = self._thresholds[0] if self._thresholds else b""
-        #: the smallest limit a cost must fit in some plan (the scripts check the plan used)
+        #: the largest cost some plan could serve (the scripts check the plan used): with
+        #: entitlements on credit pays beyond the quota, so only shorter windows bound it
         self._any_plan_smallest = max(
-            [_plan_args(p)[0] for p in self.catalog.values()] + [self._default_args[0]])
+            [_plan_cap(p) for p in self.catalog.values()] + [_plan_cap(self.windows)])
         longest = max(w.ms for p in [self.windows, *self.catalog.values()] for w in p)
         #: how long ent outlives a load or invalidation by default, ms (as the other keys)
         self.ent_ttl_ms = longest + self.key_margin_ms + min(longest, 3_600_000)
@@ -822,11 +823,15 @@ class TokenBudget:
         smallest, tail = self._default_args if plan is self.windows else _plan_args(plan)
         # with entitlements on an override may change the plan: the script checks the plan
         # it uses, and only a cost no plan could admit is refused here
-        if cost > (max(smallest, self._any_plan_smallest) if self.entitlements else smallest):
+        cap = smallest
+        if self.entitlements:  # credit pays beyond the quota: shorter windows bound it
+            cap = self._any_plan_smallest if plan is self.windows else max(
+                self._any_plan_smallest, _plan_cap(plan))
+        if cost > cap:
             w = next(w for w in plan if cost > w.limit)
             raise CostExceedsLimit(
                 f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
-                cost=cost, limit=w.limit)
+                cost=cost, limit=w.limit, window_s=float(w.seconds))
         numbers = struct.pack("<3d", now, cost, self.key_margin_ms)
         record = f"{cost} {nonce} {route}"
         if not self.entitlements:
@@ -875,6 +880,12 @@ def _plan_args(plan: tuple[Window, ...]) -> tuple[int, tuple[bytes]]:
     length in ms and its limit, little-endian doubles), encoded once."""
     encoded = struct.pack(f"<{2 * len(plan)}d", *(v for w in plan for v in (w.ms, w.limit)))
     return min(w.limit for w in plan), (encoded,)
+
+
+def _plan_cap(plan: tuple[Window, ...]) -> int:
+    """The largest cost the plan can serve with credit: its shorter windows' smallest
+    limit (credit pays beyond the quota, the longest window), or MAX_TOKENS."""
+    return min((w.limit for w in plan[:-1]), default=MAX_TOKENS)
 
 
 def _plan_text(plan: tuple[Window, ...]) -> str:
@@ -1002,10 +1013,14 @@ def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
         epoch, drawn, credit, susp, plan_name = head.split(" ", 4)
         plan = (catalog or {}).get(plan_name, plan)
         if status == _TOO_BIG:
-            w = plan[int(reply[2]) - 1]
+            at = int(reply[2])
+            w = plan[at - 1]
+            quota = at == len(plan)  # credit could pay beyond it, but is short
             raise CostExceedsLimit(
-                f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
-                cost=cost, limit=w.limit)
+                f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window"
+                + (f" and the credit {credit} is short of {cost - w.limit}" if quota else ""),
+                cost=cost, limit=w.limit, credit=int(credit) if quota else None,
+                window_s=float(w.seconds))
     counted = status in (_REJECTED, _CHARGED, _DUPLICATE)
     states = []
     least, tightest = -1, plan[0]  # when allowed, the window with least room binds

@@ -48,7 +48,9 @@ The plan's longest window is the quota Q; meta keeps d:<W>, tokens drawn from gr
 events window W counts, and the quota's used is t:<Q> - d:<Q>. A charge that fits every
 shorter window (full cost) but needs need = used + cost - Q > 0 tokens over the quota draws
 min(need, cost) from the live grants (draw order in _budget_grants.lua), or is rejected when
-their credit is short. Each grant drawn reports crossing "low" (remaining from > low% of its
+their credit is short. A cost above Q itself is served the same way (credit pays at least
+cost - Q); while credit is short of cost - Q it is answered 5, as waiting cannot help, and
+otherwise a rejection waits until the quota frees need - credit tokens. Each grant drawn reports crossing "low" (remaining from > low% of its
 tokens to <= low%) and "exhausted" (remaining 0) once.
 
 Run twice with the same arguments (redis-py re-sends a call whose reply was lost): the second
@@ -60,7 +62,9 @@ Returns {status, retry_after_ms, binding, then per plan window: used, resets_at_
                   2 duplicate: the id was charged by another call, nothing charged now;
                   0 rejected: some window lacks room, nothing charged;
                   entitlements on only: 3 suspended, 4 not loaded (ent has no epoch),
-                  5 cost above a window's limit of the plan used (binding names it);
+                  5 cost above a window's limit of the plan used (binding names it):
+                    a shorter window's, or the quota's when the live credit (reported)
+                    is short of the part beyond the quota, cost - Q;
                   nothing is charged, advanced or written for 3, 4 and 5; a re-send of
                   a call that charged is answered as that charge (1) instead
   retry_after_ms  0 unless rejected; else ms until enough of the oldest events have left
@@ -352,7 +356,8 @@ if ent then
     use_override(ent.plan)
     nw = #call_windows
   end
-  for i = 1, nw do
+  -- a cost above a shorter window's limit never fits (above the quota's: below)
+  for i = 1, nw - 1 do
     if cost > limits[i] and not resent then
       resent = charged_by_this_call()
       if not resent then return {5, 0, i, ent_block()} end
@@ -362,6 +367,17 @@ if ent then
 end
 
 local longest = advance(m, now, call_windows)
+
+-- A cost above the quota's limit: credit pays the part beyond it, cost - Q at least, so a
+-- user whose live credit is short of that is refused (5) unless the id is charged already
+-- (a re-send or a duplicate, answered below). Nothing was written yet.
+if quota_w and cost > limits[nw] then
+  local _, avail = G.more().live_grants(ent, now)
+  if avail < cost - limits[nw] and not live_score(m, longest, request_id) then
+    credit = avail
+    return {5, 0, nw, ent_block()}
+  end
+end
 
 -- (quota_w is nil with entitlements off: every window counts full costs)
 local function reply(status, retry, binding)
@@ -482,7 +498,10 @@ elseif not live_score(m, longest, request_id) then
     -- the quota fails only when the grants could not cover what it lacks
     if total + cost > limits[i] and (w ~= quota_w or quota_short) then
       local quota = w == quota_w and m.windows[w].drawn > 0
-      local wait = wait_ms(now, w, total + cost - limits[i], quota)
+      local free = total + cost - limits[i]
+      -- a cost above the quota never fits it alone: wait until the credit covers the rest
+      if w == quota_w and cost > limits[i] then free = free - credit end
+      local wait = wait_ms(now, w, free, quota)
       if wait > retry then retry, binding = wait, i end
     end
   end

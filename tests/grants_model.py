@@ -122,9 +122,10 @@ class GrantModel(Model):
         if rid in self.events:
             same = self.events[rid].nonce == nonce
             status = "charged" if same else "duplicate"
-            if same and rid in self.draws:
-                epoch, draws = self.draws[rid][0], list(self.draws[rid][1])
+            if same:  # a re-send reports its draws and the live credit
                 credit = self.credit(self.clk)
+                if rid in self.draws:
+                    epoch, draws = self.draws[rid][0], list(self.draws[rid][1])
             return GrantAnswer(status, 0, self._used(plan), tuple(draws), credit, epoch)
         wait, short = 0, False
         for w in plan[:-1]:
@@ -154,6 +155,8 @@ class GrantModel(Model):
         self.events[rid] = Event(self.clk, cost, route, nonce)
         if draws:
             self.draws[rid] = (self.epoch, draws)
+        if credit is None:  # a charge reports the live credit after it
+            credit = self.credit(self.clk)
         return GrantAnswer("charged", 0, self._used(plan), tuple(draws), credit, epoch)
 
     def _used(self, plan: list[Window]) -> tuple[int, ...]:

@@ -209,8 +209,9 @@ class Reservation:
             ``plan_name`` passed ('' when none).
         drawn: tokens of this charge drawn from grants (0 when none).
         draws: (reference, tokens) drawn, in draw order; a re-send reports the first run's.
-        credit: the live credit left after the call; None when it was not read (nothing
-            drawn and not rejected, or entitlements off).
+        credit: the live credit left after the call (a charge, a re-send, a rejection);
+            None when it was not read (a duplicate, a suspension, not loaded, or
+            entitlements off).
         epoch: the entitlements epoch the draws were made under (the one read when none
             were); 0 when entitlements are off or not loaded.
         suspended_until_ms: for ``suspended``, when it ends, ms (0 = until lifted).

@@ -76,7 +76,8 @@ then, when this call charged and crossed thresholds, per crossing: window positi
   ent             one string (one reply element costs the client less than a nested one):
                   "<epoch> <drawn> <credit> <susp> <plan used>|<draws>|<credit crossings>"
                   epoch   0 = not loaded; for a re-send, the epoch its draws were made under
-                  credit  live credit after the call; -1 = not read (no draw, no reject)
+                  credit  live credit after the call (a charge, a re-send, a reject);
+                          -1 = not read (a duplicate, or statuses 3 and 4)
                   susp    suspended until, ms (0 = until lifted); -1 = not suspended
                   draws   "<ref>=<n> <ref>=<n>" in draw order (may be empty)
                   credit crossings  "<kind> <remaining> <tokens> <grant kind> <ref>;..." kind
@@ -154,10 +155,11 @@ do
     now = math.max(now_arg, v[CLK])
   end
   if fast and dr_key then
-    local e = redis.call('HMGET', ent_key, 'epoch', 'plan', 'susp')
+    local e = redis.call('HMGET', ent_key, 'epoch', 'plan', 'susp', 'ng')
     local susp = tonumber(e[3])
     epoch = tonumber(e[1])
-    fast = epoch ~= nil and not (susp and (susp == 0 or now < susp))
+    -- a user with grants: the general code reads them for the credit it reports
+    fast = epoch ~= nil and not (susp and (susp == 0 or now < susp)) and e[4] == '0'
     if fast and e[2] and e[2] ~= plan_name then use_override(e[2]) end
   end
   nw = #call_windows
@@ -198,10 +200,10 @@ do
       if redis.call('ZADD', log_key, 'NX', now, request_id) == 1 then
         redis.call('HSET', ev_key, request_id, record)
         -- reply: status, retry, binding, (entitlements on: the ent block: nothing drawn,
-        -- credit not read, not suspended), then per window used and resets_at
+        -- no credit (no grants), not suspended), then per window used and resets_at
         local out, at = {1, 0, 0}, 3
         if epoch then
-          out[4], at = string.format('%d 0 -1 -1 %s||', epoch, plan_name), 4
+          out[4], at = string.format('%d 0 0 -1 %s||', epoch, plan_name), 4
         end
         local thresholds, th_margin = parse_thresholds(threshold_spec)
         local crossed = thresholds and {}
@@ -468,6 +470,9 @@ if fits then
       redis.call('PEXPIRE', dr_key, int(longest + margin_ms + math.min(longest, 3600000)))
       credit = credit - drawn
       for _, s in pairs(m.windows) do s.drawn = s.drawn + drawn end
+    elseif ent then
+      local _, avail = G.more().live_grants(ent, now)
+      credit = avail
     end
     for _, s in pairs(m.windows) do
       s.total = s.total + cost
@@ -517,13 +522,13 @@ local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
 draws, drawn = nil, 0
 if ent then credit = -1 end
 if ent and same_call then
-  -- a re-send: report the draws its first run made, nothing drawn now
+  -- a re-send: report the draws its first run made, nothing drawn now, and the credit
   local epoch, list = G.more().parse_draws(redis.call('HGET', dr_key, request_id))
   if epoch then
     draws, draw_epoch = list, epoch
     for _, d in ipairs(list) do drawn = drawn + d[2] end
-    local _, avail = G.more().live_grants(ent, now)
-    credit = avail
   end
+  local _, avail = G.more().live_grants(ent, now)
+  credit = avail
 end
 return reply(same_call and 1 or 2, 0, 0)

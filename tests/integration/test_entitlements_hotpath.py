@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+import http_sf
 import pytest
 import redis
+from atto_cloud_client.ratelimit import RateLimitStatus
 from moto import mock_aws
 
 from local.emulator import EmulatorProcess
@@ -139,7 +141,8 @@ def test_plan_resolution_override_claim_default_and_unknown_claim(env: Any) -> N
     res = invoke(embeddings.handler, _claims(http_event(
         "POST", "/v1/embeddings", body={"input": ["x"]}, user=user), "[free]"))
     assert res.status == 200
-    assert res.headers["ratelimit-policy"] == '"1h";q=60;w=3600, "30d";q=2000;w=2592000'
+    assert res.headers["ratelimit-policy"] == ('"1h";q=60;w=3600;atto-qu="tokens", '
+                                                 '"30d";q=2000;w=2592000;atto-qu="tokens"')
     op("DELETE", f"/admin/v1/users/{user}/plan", {"reason": "ended"})
     assert usage(user, "[free]").body["plan"] == "free"
     assert usage(user, "[platinum]").body["plan"] == "free"
@@ -505,3 +508,57 @@ def test_a_full_quota_with_short_credit_is_429_saying_so(env: Any) -> None:
     assert res.status == 429 and res.body["error"]["credit"] == 5
     assert "your credit (5 tokens) does not cover" in res.body["error"]["message"]
     assert 29 * 86400 < res.body["error"]["retry_after_s"] <= 30 * 86400
+
+
+def ratelimit_fields(res: Result) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The answer's RateLimit-Policy and RateLimit fields, parsed by an RFC 9651 parser
+    (which raises on a malformed field): {item: parameters} of each."""
+    policy = http_sf.parse(res.headers["ratelimit-policy"].encode(), tltype="list")
+    status = http_sf.parse(res.headers["ratelimit"].encode(), tltype="list")
+    return ({name: params for name, params in policy},  # type: ignore[misc]
+            {name: params for name, params in status})  # type: ignore[misc]
+
+
+def test_every_answer_says_what_the_next_call_may_spend_credit_included(env: Any) -> None:
+    """On free (4 a month) with 484 of credit and the quota spent, a 200 tells what the next
+    call may spend: the quota's r counts the credit, atto-credit gives it alone, every item
+    is well-formed Structured Fields in token units, and the client reads the same."""
+    user = uuid.uuid4().hex
+    grant(user, "inv_484", 484)
+    assert embed(user, 4) == [200] * 4  # the quota, spent
+    res = embed_one(user)  # drawn from credit
+    assert res.status == 200
+    policy, status = ratelimit_fields(res)
+    assert policy == {"1h": {"q": 40, "w": 3600, "atto-qu": "tokens"},
+                      "30d": {"q": 4, "w": 2592000, "atto-qu": "tokens"}}
+    assert status["1h"]["r"] == 35
+    assert (status["30d"]["r"], status["30d"]["atto-credit"]) == (483, 483)
+    assert "qu" not in policy["30d"]  # a unit the registry lacks is not put in qu
+    seen = RateLimitStatus.from_headers(res.headers)
+    assert seen is not None and (seen.remaining, seen.credit) == (35, 483)
+    assert seen.window("30d") is not None and seen.window("30d").used == 4  # type: ignore[union-attr]
+
+
+def test_headers_of_a_user_without_grants_say_credit_0(env: Any) -> None:
+    """A user with no grant gets atto-credit=0 on the quota's item; its r is the quota's."""
+    user = uuid.uuid4().hex
+    res = embed_one(user)
+    assert res.status == 200
+    _, status = ratelimit_fields(res)
+    assert (status["30d"]["r"], status["30d"]["atto-credit"]) == (3, 0)
+    assert "atto-credit" not in status["1h"]
+
+
+def test_a_failed_drawing_request_shows_the_credit_given_back(
+        env: Any, emulator: EmulatorProcess) -> None:
+    """A request that drew 1 and failed (502) answers headers that count the refund: the
+    credit back to 10 and the quota's room unchanged."""
+    user = uuid.uuid4().hex
+    grant(user, "inv", 10)
+    assert embed(user, 4) == [200] * 4
+    emulator.fail_next(5, 500, family="llm")
+    res = embed_one(user)
+    assert res.status == 502
+    _, status = ratelimit_fields(res)
+    assert (status["30d"]["r"], status["30d"]["atto-credit"]) == (10, 10)
+    assert status["1h"]["r"] == 36

@@ -82,6 +82,8 @@ class RequestState:
     plan_name: str = ""
     #: The user's windows read for an answer that reserved nothing (a replay, a 409).
     windows: tuple[WindowUsage, ...] = ()
+    #: With entitlements on, the live credit read with ``windows``; else None.
+    credit: int | None = None
 
 
 def request_state(request: Request) -> RequestState:

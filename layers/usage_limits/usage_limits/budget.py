@@ -380,6 +380,8 @@ class Usage:
         suspended_until_ms: end of a suspension in force, ms (0 = until lifted); None when
             not suspended.
         grants: the live grants, in draw order.
+        last_charge: (ms, plan name) of the user's last charge as the ledger recorded it
+            (entitlements on); None when unknown (none yet, or the cache lost it).
     """
 
     windows: tuple[WindowUsage, ...]
@@ -390,6 +392,7 @@ class Usage:
     epoch: int = 0
     suspended_until_ms: int | None = None
     grants: tuple[LiveGrant, ...] = ()
+    last_charge: tuple[int, str] | None = None
 
 
 class TokenBudget:
@@ -1102,7 +1105,8 @@ def _decode_usage(reply: list[Any], plan: tuple[Window, ...], *, plan_name: str 
                                  at_ms=int(float(_text(at_ms))), nonce=nonce, draws=draws))
     if not entitled:
         return Usage(windows=states, events=tuple(events), now_ms=now, plan_name=plan_name)
-    name, epoch, susp, flat = reply[1]
+    name, epoch, susp, flat, last = reply[1]
+    at, _, charged_plan = _text(last).partition(" ")
     grants = tuple(
         LiveGrant(reference=_text(flat[i]), remaining=int(flat[i + 1]),
                   tokens=int(flat[i + 2]), expires_at_ms=int(flat[i + 3]) or None,
@@ -1110,4 +1114,5 @@ def _decode_usage(reply: list[Any], plan: tuple[Window, ...], *, plan_name: str 
         for i in range(0, len(flat) - 4, 5))
     return Usage(windows=states, events=tuple(events), now_ms=now, plan_name=_text(name),
                  loaded=int(epoch) > 0, epoch=int(epoch),
-                 suspended_until_ms=None if int(susp) < 0 else int(susp), grants=grants)
+                 suspended_until_ms=None if int(susp) < 0 else int(susp), grants=grants,
+                 last_charge=(int(at), charged_plan) if at else None)

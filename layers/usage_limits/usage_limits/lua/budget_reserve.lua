@@ -10,7 +10,8 @@ KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in token
 KEYS[3]  meta        hash: m, the key's clock (it never runs back) and per window a running
                      total, a cursor (every event scored <= it is out of the total) and the
                      oldest event counted, so that most calls read no range of the log
-                     (_budget_meta.lua)
+                     (_budget_meta.lua); with entitlements on also lp, "<ms> <plan name>"
+                     of the last charge (what the operator's view shows)
 ARGV[1]  numbers     now_ms, cost and margin_ms as three little-endian doubles (struct '<ddd'):
                        now_ms     caller's clock, ms since the epoch (integer)
                        cost       tokens to charge (integer >= 1)
@@ -224,7 +225,12 @@ do
           v[DEAD] = 0
         end
         v[CLK] = now
-        redis.call('HSET', meta_key, FIELD, struct.pack(layout, unpack(v, 1, size)))
+        if epoch then  -- and the plan this charge was made under, for the operator's view
+          redis.call('HSET', meta_key, FIELD, struct.pack(layout, unpack(v, 1, size)),
+                     'lp', string.format('%d %s', now, plan_name))
+        else
+          redis.call('HSET', meta_key, FIELD, struct.pack(layout, unpack(v, 1, size)))
+        end
         if due then renew_expiry(longest + margin_ms + math.min(longest, 3600000)) end
         if crossed then
           for i = 1, #crossed do out[#out + 1] = crossed[i] end
@@ -491,6 +497,7 @@ if fits then
       end
     end
     save_meta(m, now, longest)
+    if ent then redis.call('HSET', meta_key, 'lp', string.format('%d %s', now, plan_name)) end
     local out = reply(1, 0, 0)
     for i = 1, #crossed do out[#out + 1] = crossed[i] end
     return out

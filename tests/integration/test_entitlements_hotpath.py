@@ -579,3 +579,36 @@ def test_the_operator_view_shows_the_plan_last_charged_and_unknown_after_a_flush
     assert op("GET", f"/admin/v1/users/{user}").body["last_charged"] is None
     assert embed(user, 1, groups="[team]") == [200]
     assert op("GET", f"/admin/v1/users/{user}").body["last_charged"]["plan"] == "team"
+
+
+def test_expired_and_voided_grants_and_refunds_leave_a_trace(
+        env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant that expires unused (its one drawn token refunded by support) shows in GET
+    /v1/usage as expired with 10 forfeited, its grant item gets expired_at and forfeited,
+    and exactly one Atto Credit Expired event is published however often it is read; a
+    voided grant shows as voided with what was left; the refund shows as refunded."""
+    from usage_limits.web import events
+
+    published: list[Any] = []
+    monkeypatch.setattr(events, "publish_soon", published.extend)
+    user = uuid.uuid4().hex
+    soon = datetime.now(UTC) + timedelta(seconds=1.5)
+    grant(user, "promo_soon", 10, kind="promo", expires_at=soon)
+    grant(user, "inv_void", 6)
+    assert embed(user, 4) == [200] * 4
+    assert embed_one(user, request_id="gw-paid").status == 200  # drawn from promo_soon
+    op("DELETE", f"/admin/v1/users/{user}/grants/inv_void", {"reason": "chargeback"})
+    op("POST", f"/admin/v1/users/{user}/refunds", {"request_id": "gw-paid", "reason": "x"})
+    time.sleep(max(0.0, (soon - datetime.now(UTC)).total_seconds()) + 0.2)
+    first = usage(user).body
+    again = usage(user).body
+    assert first["ended_grants"] == again["ended_grants"]
+    ended = {g["reference"]: g for g in first["ended_grants"]}
+    assert (ended["promo_soon"]["ended"], ended["promo_soon"]["forfeited"]) == ("expired", 10)
+    assert (ended["inv_void"]["ended"], ended["inv_void"]["forfeited"]) == ("voided", 6)
+    assert [r["tokens"] for r in first["refunded"]] == [1]
+    kept = store().grant(user, "promo_soon")
+    assert kept is not None and kept.forfeited == 10 and kept.expired_at_ms is not None
+    expired = [e for e in published if e.detail_type == "Atto Credit Expired"]
+    assert [(e.reference, e.forfeited, e.grant_kind) for e in expired] == [
+        ("promo_soon", 10, "promo")]

@@ -154,6 +154,24 @@ async def read_usage(user: str, plan: Plan, *, events: int = 50) -> tuple[Usage,
     return report, settings().plans.get(report.plan_name) or plan
 
 
+async def read_history(user: str) -> tuple[list[Any], list[Any]]:
+    """The user's recently ended grants and support refunds (``EntitlementCache.history``);
+    nothing with entitlements off. A grant seen expired with tokens unused is recorded and
+    reported (``Atto Credit Expired``) on the way.
+
+    Raises:
+        LimiterUnavailableError: DynamoDB could not be reached.
+    """
+    ent = runtime.get_entitlements()
+    if ent is None:
+        return [], []
+    try:
+        return await ent.history(user)
+    except StoreUnavailable as exc:
+        raise LimiterUnavailableError("the usage limiter is unavailable",
+                                      headers=retry_after_header(1)) from exc
+
+
 def _route_path(request: Request) -> str:
     """The matched route's path template, or the URL's path when no route matched."""
     path = getattr(request.scope.get("route"), "path", None)

@@ -149,6 +149,7 @@ do
   local D = 4        -- tokens drawn from grants by the events T counts
   local N = 5        -- the highest usage threshold already reported, percent
   local fast, epoch, now, nw, size, layout, v = packed ~= false, nil, nil, nil, nil, nil, nil
+  local grants_held = nil  -- (entitlements on) ent's ng: '0' = no grants, so credit 0
   if fast then
     size = #packed / 8
     layout = '<' .. string.rep('d', size)
@@ -159,8 +160,8 @@ do
     local e = redis.call('HMGET', ent_key, 'epoch', 'plan', 'susp', 'ng')
     local susp = tonumber(e[3])
     epoch = tonumber(e[1])
-    -- a user with grants: the general code reads them for the credit it reports
-    fast = epoch ~= nil and not (susp and (susp == 0 or now < susp)) and e[4] == '0'
+    fast = epoch ~= nil and not (susp and (susp == 0 or now < susp))
+    grants_held = e[4]
     if fast and e[2] and e[2] ~= plan_name then use_override(e[2]) end
   end
   nw = #call_windows
@@ -201,10 +202,23 @@ do
       if redis.call('ZADD', log_key, 'NX', now, request_id) == 1 then
         redis.call('HSET', ev_key, request_id, record)
         -- reply: status, retry, binding, (entitlements on: the ent block: nothing drawn,
-        -- no credit (no grants), not suspended), then per window used and resets_at
+        -- the live credit, not suspended), then per window used and resets_at
         local out, at = {1, 0, 0}, 3
         if epoch then
-          out[4], at = string.format('%d 0 0 -1 %s||', epoch, plan_name), 4
+          -- the live credit: 0 without grants, else the sum of the unexpired grants'
+          -- remaining ("<remaining> <expires_ms or 0> ..." per g:<ref>), read in one pass
+          local credit = 0
+          if grants_held ~= '0' then
+            local raw = redis.call('HGETALL', ent_key)
+            for j = 1, #raw, 2 do
+              if string.sub(raw[j], 1, 2) == 'g:' then
+                local rem, exp = string.match(raw[j + 1], '^(%d+) (%d+)')
+                exp = tonumber(exp)
+                if rem and (exp == 0 or now < exp) then credit = credit + tonumber(rem) end
+              end
+            end
+          end
+          out[4], at = string.format('%d 0 %d -1 %s||', epoch, credit, plan_name), 4
         end
         local thresholds, th_margin = parse_thresholds(threshold_spec)
         local crossed = thresholds and {}

@@ -347,9 +347,10 @@ def uid() -> str:
 def _forget_pending_refunds() -> Iterator[None]:
     """Refunds a test leaves pending (its Redis gone) must not be retried by the next test."""
     yield
-    from usage_limits.web import refunds
+    from usage_limits.web import records, refunds
 
     refunds.clear()
+    records.clear()
 
 
 class StartEnvironment(Protocol):

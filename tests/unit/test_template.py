@@ -39,6 +39,7 @@ CONTRACT_ROUTES = {
     "POST /v1/job-extraction",
     "POST /v1/market-context",
     "GET /v1/usage",
+    "GET /v1/usage/history",
 }
 
 #: The operator API: IAM-authorized, never the user JWT authorizer.
@@ -52,6 +53,8 @@ ADMIN_ROUTES = {
     "PUT /admin/v1/users/{user_id}/suspension",
     "DELETE /admin/v1/users/{user_id}/suspension",
     "GET /admin/v1/audit",
+    "GET /admin/v1/users/{user_id}/statement",
+    "GET /admin/v1/users/{user_id}/grants/{reference}/history",
 }
 
 #: Provider secrets each function may read (logical ids); nothing else.

@@ -185,8 +185,10 @@ def test_lost_replies_and_re_sends_land_each_write_once(env: Any) -> None:
     set_usage_store(lossy)
     assert call("/settles", user, request_id="l1").status == 200
     assert records.pending() == 1
-    for _ in range(3):
+    for _ in range(6):  # two re-sends at least; a loaded machine may need more turns
         call("/ok", user)
+        if records.pending() == 0 and lossy.lost >= 4:
+            break
     mine = [r for r in all_records(user) if r.request_id == "r:l1"]
     assert len(mine) == 1 and (mine[0].state, mine[0].kept, mine[0].cost) == ("settled", 1, 3)
     assert records.pending() == 0 and lossy.lost == 4  # put, lowering: each sent twice
@@ -206,7 +208,12 @@ def test_a_failed_write_is_kept_and_lands_later(env: Any) -> None:
     assert records.pending() == 2 and all_records(user) == []
     set_usage_store(usage_store())
     assert call("/ok", user, request_id="k3").status == 200
-    got = {r.request_id: (r.state, r.kept) for r in all_records(user)}
+    for _ in range(5):  # each retry has its bound: a loaded machine may need another turn
+        if records.pending() == 0:
+            break
+        call("/ok", user, request_id=f"k4-{uuid.uuid4().hex}")
+    got = {r.request_id: (r.state, r.kept) for r in all_records(user)
+           if not r.request_id.startswith("r:k4-")}
     assert got == {"r:k1": ("charged", 1), "r:k2": ("refunded", 0), "r:k3": ("charged", 1)}
 
 

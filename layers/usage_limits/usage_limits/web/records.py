@@ -81,18 +81,23 @@ _marked: OrderedDict[tuple[str, str], None] = OrderedDict()
 
 
 def _usage_store() -> UsageStore | None:
-    """The environment's usage store (None: records are off), sharing the entitlements
-    store's DynamoDB client when there is one (one client, one connection pool)."""
+    """The environment's usage store (None: records are off, or cannot be set up: logged,
+    never raised), sharing the entitlements store's DynamoDB client when there is one
+    (one client, one connection pool)."""
     from ..entitlements import usage_store
 
-    store = usage_store.default_usage_store()
-    if store is not None and store._client is None:
-        from .settings import settings
+    try:
+        store = usage_store.default_usage_store()
+        if store is not None and store._client is None:
+            from .settings import settings
 
-        if settings().entitlements:
-            from ..entitlements.store import default_store
+            if settings().entitlements:
+                from ..entitlements.store import default_store
 
-            store._client = default_store().client
+                store._client = default_store().client
+    except Exception:
+        obs.logger().exception("the usage records' store could not be set up")
+        return None
     return store
 
 

@@ -9,6 +9,7 @@ Real Redis (standalone, then the 3-node cluster), moto DynamoDB. The plan ``free
 from __future__ import annotations
 
 import importlib
+import json
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any
@@ -198,14 +199,23 @@ def test_lost_replies_and_re_sends_land_each_write_once(env: Any) -> None:
         first_lowering]
 
 
-def test_a_failed_write_is_kept_and_lands_later(env: Any) -> None:
-    """With the usage table unreachable the request still succeeds; its record is kept and
-    written before a later request once DynamoDB answers again."""
+def counted(out: str, metric: str) -> float:
+    """The sum of ``metric`` over the EMF lines in ``out``."""
+    lines = [json.loads(ln) for ln in out.splitlines() if '"_aws"' in ln]
+    return sum(sum(line.get(metric, [])) for line in lines)
+
+
+def test_a_failed_write_is_kept_and_lands_later(env: Any,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """With the usage table unreachable the request still succeeds; its record is kept
+    (counted RecordsKept) and written before a later request once DynamoDB answers again."""
     user = uuid.uuid4().hex
     set_usage_store(UsageStore(UsageSettings(table="no-such-table", region="us-east-1")))
+    capsys.readouterr()
     assert call("/ok", user, request_id="k1").status == 200
     assert call("/fails", user, request_id="k2").status == 502
     assert records.pending() == 2 and all_records(user) == []
+    assert counted(capsys.readouterr().out, "RecordsKept") == 2
     set_usage_store(usage_store())
     assert call("/ok", user, request_id="k3").status == 200
     for _ in range(5):  # each retry has its bound: a loaded machine may need another turn
@@ -215,6 +225,43 @@ def test_a_failed_write_is_kept_and_lands_later(env: Any) -> None:
     got = {r.request_id: (r.state, r.kept) for r in all_records(user)
            if not r.request_id.startswith("r:k4-")}
     assert got == {"r:k1": ("charged", 1), "r:k2": ("refunded", 0), "r:k3": ("charged", 1)}
+
+
+def test_a_record_kept_past_its_bound_is_lost_and_counted(
+        env: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A kept record older than KEEP_S is dropped before the next request: RecordsLost,
+    and an error log line naming its request id; the request itself succeeds."""
+    user = uuid.uuid4().hex
+    set_usage_store(UsageStore(UsageSettings(table="no-such-table", region="us-east-1")))
+    assert call("/ok", user, request_id="gone").status == 200
+    monkeypatch.setattr(records, "KEEP_S", 0.0)
+    set_usage_store(usage_store())
+    capsys.readouterr()
+    assert call("/ok", user, request_id="next").status == 200
+    out = capsys.readouterr().out
+    assert counted(out, "RecordsLost") == 1 and "kept usage record expired" in out
+    assert [r.request_id for r in all_records(user)] == ["r:next"]
+
+
+def test_the_statement_pages_and_totals_across_a_month_boundary(env: Any) -> None:
+    """Records either side of midnight of 31 October / 1 November come back a page at a
+    time, newest first, the first page carrying both days' totals, the others none."""
+    user = uuid.uuid4().hex
+    nov = 1_793_491_200_000  # 2026-11-01T00:00:00Z
+    store = usage_store()
+    for i, at in enumerate((nov - 2, nov - 1, nov, nov + 1)):
+        store.put(UsageRecord(user, f"m{i}", "n1", "/ok", "free", 3, 3, (), "charged", at))
+    store.lower(user, "m2", "n1", 1, "settled", nov + 5)
+    query = {"from": "2026-10-31T00:00:00Z", "to": "2026-11-02T00:00:00Z", "limit": "3"}
+    first = history(user, **query).body
+    assert [r["request_id"] for r in first["records"]] == ["m3", "m2", "m1"]
+    assert [(d["day"], d["charges"], d["kept"], d["refunded"]) for d in first["days"]] == [
+        ("2026-11-01", 2, 4, 2), ("2026-10-31", 2, 6, 0)]
+    second = history(user, **query, cursor=first["cursor"]).body
+    assert [r["request_id"] for r in second["records"]] == ["m0"]
+    assert second["days"] is None and second["cursor"] is None
+    november = history(user, **{**query, "from": "2026-11-01T00:00:00Z"}).body
+    assert [r["request_id"] for r in november["records"]] == ["m3", "m2"]
 
 
 def test_records_survive_flushall(env: Any) -> None:

@@ -1,6 +1,6 @@
 """Usage records: the durable statement of every charge, with or without credit.
 
-The contract (``records.UsageStore`` writes and reads them; the request path, the
+The contract (``usage_store.UsageStore`` writes and reads them; the request path, the
 operator API and the auditor use them):
 
 - **One record per charge**, made by the reservation that charged it, named by the
@@ -29,7 +29,9 @@ operator API and the auditor use them):
   the entitlements table (``charges``): usage records are written off the request's
   critical path and may lag it (the write bound is the request's deadline; a failed write
   is kept and retried by the environment, and counted: ``RecordsKept``, ``RecordsLost``).
-  They never decide what is charged or returned.
+  So a record may lag its charge by the request's time (at most about 30 s) and, when its
+  write was kept, by up to ``web.records.KEEP_S`` (a day) before it is dropped as lost; a
+  lowering may lag the same way. They never decide what is charged or returned.
 
 This module is pure: the record, its item, its keys, the statement's day totals and a
 grant's history; the store sends them.

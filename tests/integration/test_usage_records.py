@@ -264,6 +264,25 @@ def test_the_statement_pages_and_totals_across_a_month_boundary(env: Any) -> Non
     assert [r["request_id"] for r in november["records"]] == ["m3", "m2"]
 
 
+def test_redis_re_sends_of_the_refund_still_lower_the_record(env: Any) -> None:
+    """With every ledger script sent twice (a lost reply re-sent by redis-py: the second
+    reply says the charge was lowered already), a settle and a refund still lower their
+    records, once."""
+    from tests.resend import Resending
+    from usage_limits.connection import redis_from_env
+    from usage_limits.web import runtime
+
+    user = uuid.uuid4().hex
+    runtime.set_redis(Resending(redis_from_env()))
+    try:
+        assert call("/settles", user, request_id="t1").status == 200
+        assert call("/fails", user, request_id="t2").status == 502
+    finally:
+        runtime.set_redis(None)
+    got = {r.request_id: (r.state, r.kept, r.cost) for r in all_records(user)}
+    assert got == {"r:t1": ("settled", 1, 3), "r:t2": ("refunded", 0, 1)}
+
+
 def test_records_survive_flushall(env: Any) -> None:
     """Records live in DynamoDB: a cache loss leaves the statement whole."""
     user = uuid.uuid4().hex

@@ -164,7 +164,7 @@ class CreditOperator:
         op = self._operator
         if action == "grant":
             await self._repeat("grant", user, op.create_grant, user, tokens=self.grant_tokens,
-                               kind="paid", reference=f"inv-{user}-{n}", expires_at_ms=None,
+                               kind="paid", reference=f"inv-{user}-c{n}", expires_at_ms=None,
                                actor=ACTOR, reason="fleet: another top-up")
         elif action in ("plan", "plan-back"):
             plan = "credit2" if action == "plan" else "credit"

@@ -217,7 +217,7 @@ def _dynamo_fault(ctx: Context, name: str, kind: str, seconds: float, *,
     ctx.dynamo.inject(kind, operations=ops, seconds=seconds, count=count)
     time.sleep(seconds)
     hits = ctx.dynamo.injected.get(kind, 0) - before.get(kind, 0)
-    return {"fault": name, "start": start, "end": time.time(),
+    return {"fault": name, "start": start, "end": time.time(), "calls_hit": hits,
             "note": f"{note}; {hits} calls met it"}
 
 
@@ -245,6 +245,7 @@ def dynamo_throttle(ctx: Context) -> dict[str, Any]:
     first = _dynamo_fault(ctx, "dynamo-throttle", "throttle", 0.4, note="")
     second = _dynamo_fault(ctx, "dynamo-throttle", "capacity", 0.4, note="")
     return {"fault": "dynamo-throttle", "start": first["start"], "end": second["end"],
+            "calls_hit": first.get("calls_hit", 0) + second.get("calls_hit", 0),
             "note": f"ThrottlingException 0.4 s ({first['note'].split('; ')[1]}), then "
                     f"ProvisionedThroughputExceededException 0.4 s "
                     f"({second['note'].split('; ')[1]})"}

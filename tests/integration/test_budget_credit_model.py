@@ -144,6 +144,13 @@ class CreditMachine(RuleBasedStateMachine):
             done = self.run(self.cache.lower(self.budget, self.user, rid, nonce, target,
                                              state=state))  # type: ignore[arg-type]
             assert done.settled
+            if served and not done.returned and not done.lowered.changed:
+                # the first try landed and only its answer was lost: what it gave back is
+                # known from the record alone
+                record = self.store.charge_record(self.user, rid, nonce)
+                if record is not None:
+                    self.served[rid]["standing"] = dict(record.consumed)
+                    continue
             self._returned(rid, done.returned, served)
 
     # ------------------------------------------------------------------ rules
@@ -339,6 +346,38 @@ def test_a_refund_after_a_reload_leaves_the_copy_equal_to_dynamodb(
                     return sorted(machine.served)[-1]
 
             machine.fail_or_settle(Last(), None, None, True)  # type: ignore[arg-type]
+            machine.books_balance()
+        finally:
+            loop.run_until_complete(client.aclose())
+            loop.close()
+
+
+def test_a_refund_whose_answer_was_lost_gives_the_copy_its_credit_back(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed request's refund lands in DynamoDB but its answer is lost, so the refund is
+    kept; when it is retried (finding the return already made) the copy lets the user
+    spend exactly what DynamoDB holds, not 2 tokens less."""
+    _aws_env(monkeypatch)
+    loop = asyncio.new_event_loop()
+    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
+    with mock_aws():
+        boto = _table()
+        CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
+        try:
+            machine = CreditMachine()
+            machine.add_grant(8)
+            for _ in range(3):  # the quota is 4: the third request draws its 2 from credit
+                machine.request(2, None)
+            last = sorted(machine.served)[-1]
+            assert machine.served[last]["standing"] == {"g0": 2}
+
+            class Last:
+                def draw(self, strategy: Any) -> str:
+                    return last
+
+            machine.fail_or_settle(Last(), "lost", None, True)  # type: ignore[arg-type]
+            assert machine.kept  # the return's answer was lost: kept, as the middleware does
+            machine._retry_kept()
             machine.books_balance()
         finally:
             loop.run_until_complete(client.aclose())

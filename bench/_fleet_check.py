@@ -12,8 +12,9 @@
    not a replay, each at its settled cost (company_research 5 without sources,
    market_context 2 without data, else the route's price), less those an operator
    refunded through support. Nothing else: no charge for a 4xx/5xx, none for a replay. A
-   request id answered 2xx twice without a replay would be a double charge. Requests of a process killed mid-flight (no answer recorded) may keep
-   their charge: a dead Lambda runs no refund (DESIGN: anything left expires on its own).
+   request id answered 2xx twice without a replay would be a double charge. Requests of a
+   process killed mid-flight (no answer recorded) may keep their charge: a dead Lambda runs
+   no refund (DESIGN: anything left expires on its own).
 3. provider limit: the emulator's arrival times per family: at most ``rate`` arrivals in
    any half-open window of ``per_s`` seconds; also the emulator's own 429s not injected.
 4. deadline: every answered invocation took at most its Lambda timeout.

@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from botocore.exceptions import ClientError, ReadTimeoutError
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from moto import mock_aws
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from tests.dynamofaults import FaultyClient
 from usage_limits.budget import TokenBudget, Window, new_nonce
 from usage_limits.entitlements import NotFound
 from usage_limits.entitlements.cache import EntitlementCache
@@ -44,30 +44,6 @@ PLANS = "free=1000/1h,4/30d;other=1000/1h,4/30d"
 STEPS = 30
 DYNAMO_FAULTS = ("down", "conflict", "lost")
 REDIS_FAULTS = ("lost", "resend")
-
-
-class FaultyClient:
-    """A boto3 DynamoDB client whose next transaction fails as told (then works again)."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.fault: str | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-    def transact_write_items(self, **kwargs: Any) -> Any:
-        fault, self.fault = self.fault, None
-        if fault == "down":
-            raise ClientError({"Error": {"Code": "ThrottlingException"}}, "TransactWriteItems")
-        if fault == "conflict":
-            reasons = [{"Code": "TransactionConflict"}] * len(kwargs["TransactItems"])
-            raise ClientError({"Error": {"Code": "TransactionCanceledException"},
-                               "CancellationReasons": reasons}, "TransactWriteItems")
-        reply = self._client.transact_write_items(**kwargs)
-        if fault == "lost":
-            raise ReadTimeoutError(endpoint_url="dynamodb")
-        return reply
 
 
 class CreditMachine(RuleBasedStateMachine):

@@ -183,7 +183,7 @@ class CreditOperator:
                                reason="fleet: cleared")
             self.suspensions.append((user, answered, lifting))
         elif action == "refund":
-            for rid in await self._recent_credit_charges(user, 2):
+            for rid in await self._recent_credit_charges(user, 1):
                 done = await self._repeat("refund", user, op.refund, user, rid, actor=ACTOR,
                                           reason="fleet: support refund")
                 if done is not None:
@@ -238,6 +238,7 @@ def check_credit(operator: CreditOperator, ends: list[dict[str, Any]],
     copy_differs, served_suspended = [], []
     totals = {"granted": 0, "consumed": 0, "spent_by_successful": 0, "forfeited": 0,
               "returned": 0, "records": 0, "drawn_requests": 0, "remaining": 0,
+              "charges_that_drew": 0, "drawn": 0,
               "support_refunds": sum(len(v) for v in operator.refunded.values()),
               "voided_grants": 0}
     for user in operator.users:
@@ -247,6 +248,8 @@ def check_credit(operator: CreditOperator, ends: list[dict[str, Any]],
         spent = forfeited = 0
         for c in charges:
             totals["records"] += 1
+            totals["charges_that_drew"] += bool(c.draws)
+            totals["drawn"] += sum(n for _, n in c.draws)
             for ref, n in c.consumed.items():
                 held[ref] += n
             standing = sum(n for _, n in c.standing)

@@ -112,8 +112,11 @@ def _setup(env: dict[str, str], lease_s: float | None,
 
     logging.disable(logging.INFO)  # per-request logs would flood the run; errors are kept
     if log_path is not None:
-        # The functions log and emit metrics (EMF) on stdout, as in Lambda: into a file.
-        os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 1)
+        # The functions log and emit metrics (EMF) on stdout, as in Lambda: into a file;
+        # the library's own warnings (stderr: a draw unresolved, a copy dropped) with them.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
     return {name: importlib.import_module(spec[0]).handler for name, spec in ROUTES.items()}
 
 

@@ -376,10 +376,11 @@ def table(result: dict[str, Any]) -> str:
         retried = sum(e["tries"] - 1 for e in cr["operator"])
         rows.append(
             f"| 5. credit conserved exactly | {mark(inv['credit_conserved'])} | "
-            f"{cr['granted']} granted, {cr['consumed']} consumed = {cr['spent_by_successful']}"
-            f" held by {cr['drawn_requests']} successful requests + {cr['forfeited']} "
-            f"forfeited to a void; {cr['remaining']} spendable, copy differs for "
-            f"{len(cr['copy_differs'])} users; grants off their records "
+            f"{cr['granted']} granted, {cr['drawn']} drawn by {cr['charges_that_drew']} "
+            f"charges, {cr['returned']} returned, {cr['consumed']} consumed = "
+            f"{cr['spent_by_successful']} held by {cr['drawn_requests']} successful requests "
+            f"+ {cr['forfeited']} forfeited to a void; {cr['remaining']} spendable, copy "
+            f"differs for {len(cr['copy_differs'])} users; grants off their records "
             f"{len(cr['grants_wrong'])}, users consumed != spent "
             f"{len(cr['consumed_not_spent'])}, failed requests holding credit "
             f"{len(cr['failed_holding_credit'])}, draws Redis != DynamoDB "

@@ -109,6 +109,11 @@ class DynamoServer:
             self._faults.append(fault)
         return fault
 
+    def clear(self) -> None:
+        """End every injected fault now."""
+        with self._lock:
+            self._faults.clear()
+
     def _fault_for(self, operation: str) -> Fault | None:
         now = time.time()
         with self._lock:

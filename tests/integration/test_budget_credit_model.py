@@ -358,3 +358,44 @@ def test_a_refund_whose_answer_was_lost_gives_the_copy_its_credit_back(
         finally:
             loop.run_until_complete(client.aclose())
             loop.close()
+
+
+def test_a_support_refund_whose_answer_was_lost_gives_the_copy_its_credit_when_repeated(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A support refund lands in DynamoDB and its answer is lost before the ledger's part;
+    the operator repeats it: the repeat answers the first refund and the copy lets the user
+    spend exactly what DynamoDB holds, the refunded credit included."""
+    from usage_limits.entitlements import StoreUnavailable
+
+    _aws_env(monkeypatch)
+    loop = asyncio.new_event_loop()
+    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
+    with mock_aws():
+        boto = _table()
+        CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
+        try:
+            machine = CreditMachine()
+            machine.add_grant(8)
+            for _ in range(3):  # the third request draws its 2 from credit
+                machine.request(2, None)
+            rid = sorted(machine.served)[-1]
+            real = machine.store.refund_charge
+
+            def applied_then_lost(*args: Any, **kwargs: Any) -> Any:
+                real(*args, **kwargs)
+                raise StoreUnavailable("read timeout")
+
+            machine.store.refund_charge = applied_then_lost  # type: ignore[method-assign]
+            with pytest.raises(StoreUnavailable):
+                machine.run(machine.operator.refund(machine.user, rid, actor="op",
+                                                    reason="support"))
+            machine.store.refund_charge = real  # type: ignore[method-assign]
+            done, created = machine.run(machine.operator.refund(machine.user, rid,
+                                                                actor="op", reason="again"))
+            assert not created and done.credit == (("g0", 2),)
+            machine.refunds_made += 1
+            machine._returned(rid, done.credit, True)
+            machine.books_balance()
+        finally:
+            loop.run_until_complete(client.aclose())
+            loop.close()

@@ -232,11 +232,11 @@ def dynamo_down(ctx: Context) -> dict[str, Any]:
 
 
 def dynamo_conflict(ctx: Context) -> dict[str, Any]:
-    """For 1 s every transaction is cancelled with TransactionConflict on every item."""
-    return _dynamo_fault(ctx, "dynamo-conflict", "conflict", 1.0,
+    """For 2 s every transaction is cancelled with TransactionConflict on every item."""
+    return _dynamo_fault(ctx, "dynamo-conflict", "conflict", 2.0,
                          operations=("TransactWriteItems",),
                          note="every transaction TransactionCanceledException "
-                              "(TransactionConflict) for 1 s")
+                              "(TransactionConflict) for 2 s")
 
 
 def dynamo_throttle(ctx: Context) -> dict[str, Any]:
@@ -277,5 +277,5 @@ FAULTS: dict[str, Callable[[Context], dict[str, Any]]] = {
 SCHEDULE = {"redis-restart": 0.08, "script-flush": 0.2, "redis-slow": 0.25,
             "upstream-5xx": 0.33, "upstream-429": 0.4, "upstream-latency": 0.5,
             "kill-lease-holder": 0.55, "ledger-refused": 0.65, "failover": 0.75,
-            "dynamo-down": 0.14, "dynamo-conflict": 0.45, "dynamo-throttle": 0.6,
+            "dynamo-down": 0.14, "dynamo-conflict": 0.7, "dynamo-throttle": 0.6,
             "dynamo-lost": 0.8}

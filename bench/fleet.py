@@ -120,11 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if set(chosen) & set(DYNAMO_FAULTS) and args.no_credit:
         ap.error("DynamoDB faults need the run's DynamoDB (drop --no-credit)")
     # The grant users' quota (their plan's longest window): small, so credit pays. The
-    # quick run's traffic is small and, on a busy machine, mostly faults: a quota of one
-    # structured call makes sure its grants are drawn, and refuses their dearer routes
-    # (10, 20, 30 tokens) 422 cost_exceeds_plan.
-    args.quota = 8 if args.quick else 40
-    args.grant_tokens = 40 if args.quick else 60
+    # quick run's traffic is small and, on a busy machine, mostly faults: a quota of 10
+    # makes sure its grants are drawn (their 20- and 30-token routes get 422
+    # cost_exceeds_plan), and grants that outlast the run keep them served, so recovery
+    # after each fault is still seen. The full run's grants run out.
+    args.quota = 10 if args.quick else 40
+    args.grant_tokens = 100 if args.quick else 60
     return args
 
 

@@ -98,6 +98,11 @@ class CreditOperator:
         store = EntitlementStore(StoreSettings.from_env(self.env))
         return Operator(store, plans, budget, EntitlementCache(store))
 
+    @property
+    def store(self) -> Any:
+        """The operator's ``EntitlementStore`` (after ``setup``)."""
+        return self._operator.store
+
     def run(self, coro: Any) -> Any:
         """Run ``coro`` on the operator's loop (from the thread that owns it)."""
         return self._loop.run_until_complete(coro)
@@ -135,9 +140,9 @@ class CreditOperator:
         self._operator = self._make()
         op = self._operator
         for user in self.users:
-            self.run(self._repeat("plan", user, op.set_plan, user, "credit", actor=ACTOR,
-                                  reason="fleet: small quota"))
-            self.run(self._repeat("grant", user, op.create_grant, user,
+            self.run(self._repeat("setup plan", user, op.set_plan, user, "credit",
+                                  actor=ACTOR, reason="fleet: small quota"))
+            self.run(self._repeat("setup grant", user, op.create_grant, user,
                                   tokens=self.grant_tokens, kind="paid",
                                   reference=f"inv-{user}-0", expires_at_ms=None,
                                   actor=ACTOR, reason="fleet: top-up"))
@@ -225,7 +230,7 @@ def check_credit(operator: CreditOperator, ends: list[dict[str, Any]],
                  ledger: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The credit invariant (module docstring), per grant user, from DynamoDB, the Redis
     ledger and copy, and the invocation records."""
-    store = operator._operator.store
+    store = operator.store
     ok_rids: dict[str, set[str]] = defaultdict(set)
     failed_rids: dict[str, set[str]] = defaultdict(set)
     for r in ends:

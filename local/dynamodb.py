@@ -7,11 +7,22 @@ moto's backends are not safe to run from several threads at once (two transactio
 item can interleave, or fail with "dictionary changed size during iteration"), so the
 server handles one request at a time, as DynamoDB's own serialisation of writes to an item
 would: connections are still accepted concurrently (HTTP/1.0, one request each).
+
+Faults (``DynamoServer.inject``), for harnesses whose DynamoDB clients live in other
+processes: for a while, calls of the named operations are refused as DynamoDB refuses them
+(``REFUSALS``: a transaction cancelled for a conflict, throttling, the service unavailable),
+or applied with their answer lost (the connection is closed before the reply). ``refusal``
+gives the error response of each kind, the one botocore raises as a ``ClientError``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -21,6 +32,51 @@ from .redis_servers import free_port
 LOCAL_TABLE = "atto-local-entitlements"
 #: The usage records' table in the local stack.
 LOCAL_USAGE_TABLE = "atto-local-usage"
+#: How DynamoDB refuses a call: fault kind -> (HTTP status, error code).
+REFUSALS = {
+    "conflict": (400, "TransactionCanceledException"),  # TransactionConflict on every item
+    "throttle": (400, "ThrottlingException"),
+    "capacity": (400, "ProvisionedThroughputExceededException"),
+    "down": (503, "ServiceUnavailable"),
+}
+#: Every fault kind: a refusal, or ``lost`` (the call is applied, its answer never sent).
+FAULT_KINDS = (*REFUSALS, "lost")
+
+
+def refusal(kind: str, items: int = 1) -> dict[str, Any]:
+    """The error response DynamoDB gives for a call refused as ``kind`` (``REFUSALS``).
+
+    Args:
+        kind: ``conflict``, ``throttle``, ``capacity`` or ``down``.
+        items: the transaction's item count (a conflict names a reason per item).
+
+    Returns:
+        ``{"Error": {"Code", "Message"}}``, with ``CancellationReasons`` for a conflict:
+        what ``ClientError.response`` holds.
+
+    Raises:
+        KeyError: ``kind`` is not a refusal.
+    """
+    status, code = REFUSALS[kind]
+    out: dict[str, Any] = {"Error": {"Code": code, "Message": f"injected {kind}"},
+                           "ResponseMetadata": {"HTTPStatusCode": status}}
+    if kind == "conflict":
+        out["CancellationReasons"] = [{"Code": "TransactionConflict",
+                                       "Message": "Transaction is ongoing for the item"}
+                                      ] * max(1, items)
+    return out
+
+
+@dataclass
+class Fault:
+    """One injected fault: ``kind`` on ``operations`` until ``until`` (epoch s), for at
+    most ``count`` calls (None: every call meanwhile)."""
+
+    kind: str
+    operations: frozenset[str]
+    until: float
+    count: int | None = None
+    hits: int = 0
 
 
 class DynamoServer:
@@ -39,6 +95,41 @@ class DynamoServer:
         self.port = 0
         self.url = ""
         self._server: object | None = None
+        self._faults: list[Fault] = []
+        self._lock = threading.Lock()
+        #: calls met by a fault, per kind
+        self.injected: dict[str, int] = {}
+
+    def inject(self, kind: str, *, operations: tuple[str, ...] = ("TransactWriteItems",),
+               seconds: float = 1.0, count: int | None = None) -> Fault:
+        """Fail calls of ``operations`` as ``kind`` for ``seconds`` (at most ``count`` calls).
+
+        Raises:
+            ValueError: ``kind`` is not one of ``FAULT_KINDS``.
+        """
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown DynamoDB fault {kind!r}; one of {FAULT_KINDS}")
+        fault = Fault(kind, frozenset(operations), time.time() + seconds, count)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        """End every injected fault now."""
+        with self._lock:
+            self._faults.clear()
+
+    def _fault_for(self, operation: str) -> Fault | None:
+        now = time.time()
+        with self._lock:
+            self._faults = [f for f in self._faults if f.until > now
+                            and (f.count is None or f.hits < f.count)]
+            for fault in self._faults:
+                if operation in fault.operations:
+                    fault.hits += 1
+                    self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1
+                    return fault
+        return None
 
     def __enter__(self) -> DynamoServer:
         import warnings
@@ -47,7 +138,7 @@ class DynamoServer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             server = _serial_moto_server(ip_address="127.0.0.1", port=self.port,
-                                         verbose=False)
+                                         verbose=False, faults=self._fault_for)
         server.start()
         self._server = server
         self.url = f"http://127.0.0.1:{self.port}"
@@ -74,10 +165,31 @@ class DynamoServer:
             self._server = None
 
 
-def _serial_moto_server(**kwargs: object) -> Any:
+def _refused(kind: str, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+    """Answer the request as DynamoDB refusing it (its body is read, then ignored)."""
+    length = int(environ.get("CONTENT_LENGTH") or 0)
+    body = environ["wsgi.input"].read(length) if length else b""
+    try:
+        items = len(json.loads(body or b"{}").get("TransactItems") or ())
+    except ValueError:
+        items = 1
+    error = refusal(kind, items)
+    status, code = REFUSALS[kind]
+    payload: dict[str, Any] = {"__type": f"com.amazonaws.dynamodb.v20120810#{code}",
+                               "message": error["Error"]["Message"]}
+    if "CancellationReasons" in error:
+        payload["CancellationReasons"] = error["CancellationReasons"]
+    data = json.dumps(payload).encode()
+    start_response(f"{status} {'Bad Request' if status == 400 else 'Service Unavailable'}",
+                   [("Content-Type", "application/x-amz-json-1.0"),
+                    ("Content-Length", str(len(data)))])
+    return [data]
+
+
+def _serial_moto_server(*, faults: Any = None, **kwargs: object) -> Any:
     """moto's threaded server whose application runs one request at a time (moto is
-    imported here, when the local stack first needs it)."""
-    import threading
+    imported here, when the local stack first needs it); ``faults(operation)`` gives the
+    fault to apply to a call, or None."""
 
     from moto.moto_server.threaded_moto_server import ThreadedMotoServer
     from moto.moto_server.werkzeug_app import (
@@ -99,9 +211,18 @@ def _serial_moto_server(**kwargs: object) -> Any:
             app = DomainDispatcherApplication(create_backend_app)
             lock = threading.Lock()
 
-            def serial(environ: dict[str, object], start_response: object) -> list[bytes]:
+            def serial(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+                target = str(environ.get("HTTP_X_AMZ_TARGET", ""))
+                fault = faults(target.rpartition(".")[2]) if faults and target else None
+                if fault is not None and fault.kind != "lost":
+                    return _refused(fault.kind, environ, start_response)
                 with lock:
-                    return list(app(environ, start_response))
+                    body = list(app(environ, start_response))
+                if fault is not None:  # applied; the answer never reaches the caller
+                    sock = environ.get("werkzeug.socket")
+                    if sock is not None:
+                        sock.shutdown(socket.SHUT_RDWR)
+                return body
 
             self._server = make_server(self._ip_address, self._port, serial, True,
                                        request_handler=Quiet)

@@ -256,7 +256,9 @@ class Operator:
         """Give the refunded charge's tokens back in the ledger, and its credit to the copy.
 
         The copy gets exactly the credit the record of truth gave back, or is dropped (it
-        reloads): never more, and nothing lost.
+        reloads): never more, and nothing lost. A repeat (``first`` False) gives it too: the
+        ledger takes it only with a lowering it makes now, so the copy gets it once,
+        whether or not the first call's answer was lost before the ledger's part.
 
         Raises:
             NotRefreshed: Redis failed; the refund itself is recorded.
@@ -265,10 +267,10 @@ class Operator:
             if self.cache is None:
                 await self.budget.refund(user_id, refund.request_id, nonce=refund.nonce)
                 return
-            credit = refund.credit if first else ()
+            credit = refund.credit
             lowered = await self.budget.lower(user_id, refund.request_id, 0,
                                               nonce=refund.nonce, credit=credit)
-            if refund.credit and (lowered.stale or lowered.returned != credit):
+            if credit and (lowered.stale or lowered.returned != credit):
                 await self.cache.forget(self.budget, user_id, lowered.epoch)
         except LimiterUnavailable as exc:
             raise NotRefreshed("the refund is recorded, with the credit given back to its "

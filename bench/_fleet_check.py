@@ -4,16 +4,21 @@
    the ledger (``ul:{u:<user>}:log`` scores, costs from ``:ev``) never sum to more than L
    within any half-open interval (t - W, t]. It suffices to test t = each charge's time.
    The ledger's running totals (``:meta`` t:W) must also equal the log's events after the
-   window's cursor (lo:W): a double-counted retry would show there.
+   window's cursor (lo:W): a double-counted retry would show there. A user with credit is
+   checked against their own plan, and the plan's longest window (the included quota)
+   counts only what the quota covered: cost less the credit the charge drew (``:dr``);
+   the running total of drawn credit (d:W) must equal the log's too.
 2. ledger == work: the ledger holds exactly the request ids that got a 2xx answer that was
    not a replay, each at its settled cost (company_research 5 without sources,
-   market_context 2 without data, else the route's price). Nothing else: no charge for a
-   4xx/5xx, none for a replay. A request id answered 2xx twice without a replay would be a
-   double charge. Requests of a process killed mid-flight (no answer recorded) may keep
-   their charge: a dead Lambda runs no refund (DESIGN: anything left expires on its own).
+   market_context 2 without data, else the route's price), less those an operator
+   refunded through support. Nothing else: no charge for a 4xx/5xx, none for a replay. A
+   request id answered 2xx twice without a replay would be a double charge. Requests of a
+   process killed mid-flight (no answer recorded) may keep their charge: a dead Lambda runs
+   no refund (DESIGN: anything left expires on its own).
 3. provider limit: the emulator's arrival times per family: at most ``rate`` arrivals in
    any half-open window of ``per_s`` seconds; also the emulator's own 429s not injected.
 4. deadline: every answered invocation took at most its Lambda timeout.
+5. credit conserved exactly (runs with DynamoDB): see ``_fleet_credit``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ def load_records(lines: Iterable[str]) -> tuple[list[dict[str, Any]], list[dict[
         if not line.strip():
             continue
         rec = json.loads(line)
+        if rec["kind"] not in ("start", "end"):
+            continue  # a process's own note (what it left undrained)
         ident = (rec["w"], rec["rid"], rec["t0"])
         if rec["kind"] == "start":
             starts[ident] = rec
@@ -47,10 +54,11 @@ def load_records(lines: Iterable[str]) -> tuple[list[dict[str, Any]], list[dict[
 
 
 def read_ledger(client: Any, users: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Per user: ``events`` {rid: (ms, cost)} and ``meta`` {field: int}."""
+    """Per user: ``events`` {rid: (ms, cost)}, ``meta`` {field: int} and ``draws``
+    {rid: credit drawn} (entitlements only)."""
     out = {}
     for user in users:
-        log_key, ev_key, meta_key = user_keys(user, "log", "ev", "meta")
+        log_key, ev_key, meta_key, dr_key = user_keys(user, "log", "ev", "meta", "dr")
         scores = client.zrange(log_key, 0, -1, withscores=True)
         ev = client.hgetall(ev_key)
         meta, odd = {}, {}
@@ -65,7 +73,10 @@ def read_ledger(client: Any, users: Iterable[str]) -> dict[str, dict[str, Any]]:
             rec = ev.get(member)
             cost = int(rec.split(b" ", 1)[0]) if rec else 0
             events[member.decode()] = (int(score), cost)
-        out[user] = {"events": events, "meta": meta, "malformed_meta": odd}
+        draws = {rid.decode(): sum(int(part.rsplit(b"=", 1)[1])
+                                   for part in rec.split(b" ")[1:] if b"=" in part)
+                 for rid, rec in client.hgetall(dr_key).items()}
+        out[user] = {"events": events, "meta": meta, "malformed_meta": odd, "draws": draws}
     return out
 
 
@@ -83,12 +94,21 @@ def max_window_sum(points: list[tuple[int, int]], window_ms: int) -> int:
     return best
 
 
-def check_overspend(ledger: dict[str, dict[str, Any]],
-                    plan: tuple[tuple[int, int], ...]) -> dict[str, Any]:
+def check_overspend(ledger: dict[str, dict[str, Any]], plan: tuple[tuple[int, int], ...],
+                    plans: dict[str, tuple[tuple[int, int], ...]] | None = None,
+                    ) -> dict[str, Any]:
+    """Invariant 1; ``plans`` gives the users whose plan is not ``plan`` theirs."""
     violations, totals_bad, peak = [], [], 0.0
     for user, data in ledger.items():
-        points = list(data["events"].values())
-        for limit, seconds in plan:
+        drawn = data.get("draws", {})
+        user_plan = (plans or {}).get(user, plan)
+        quota_s = max(s for _, s in user_plan)
+        for limit, seconds in user_plan:
+            if seconds == quota_s:  # the quota counts what credit did not pay
+                points = [(ms, cost - drawn.get(rid, 0))
+                          for rid, (ms, cost) in data["events"].items()]
+            else:
+                points = list(data["events"].values())
             worst = max_window_sum(points, seconds * 1000) if points else 0
             peak = max(peak, worst / limit)
             if worst > limit:
@@ -99,22 +119,33 @@ def check_overspend(ledger: dict[str, dict[str, Any]],
                 totals_bad.append({"user": user, "malformed_meta": data["malformed_meta"]})
             w = seconds * 1000
             if f"t:{w}" in meta and f"lo:{w}" in meta:
-                counted = sum(c for ms, c in points if ms > meta[f"lo:{w}"])
+                lo = meta[f"lo:{w}"]
+                counted = sum(c for ms, c in data["events"].values() if ms > lo)
                 if counted != meta[f"t:{w}"]:
                     totals_bad.append({"user": user, "window_s": seconds,
                                        "running_total": meta[f"t:{w}"], "log_sum": counted})
+                credit = sum(drawn.get(rid, 0) for rid, (ms, _) in data["events"].items()
+                             if ms > lo)
+                if drawn and meta.get(f"d:{w}", 0) != credit:
+                    totals_bad.append({"user": user, "window_s": seconds,
+                                       "running_drawn": meta.get(f"d:{w}"),
+                                       "log_drawn": credit})
     return {"violations": violations, "running_totals_wrong": totals_bad,
             "peak_fraction_of_limit": round(peak, 3)}
 
 
 def check_ledger(ledger: dict[str, dict[str, Any]], ends: list[dict[str, Any]],
                  in_flight: list[dict[str, Any]],
-                 redis_down: list[tuple[float, float]] = ()) -> dict[str, Any]:
+                 redis_down: list[tuple[float, float]] = (),
+                 refunded: dict[str, set[str]] | None = None) -> dict[str, Any]:
     """Invariant 2. A failed request whose refund fell into a Redis fault window (``redis_down``:
-    the refund needs Redis) is listed apart, as ``refund_lost_to_redis_fault``."""
+    the refund needs Redis) is listed apart, as ``refund_lost_to_redis_fault``; a charge an
+    operator refunded (``refunded``: user -> ledger ids) is expected gone."""
     expected: dict[tuple[str, str], int] = {}
     twice: list[tuple[str, str]] = []
     for rec in ends:
+        if rec["rid"] in (refunded or {}).get(rec["user"], ()):
+            continue
         if rec["charged"] > 0:
             ident = (rec["user"], rec["rid"])
             if ident in expected:

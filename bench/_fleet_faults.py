@@ -28,6 +28,7 @@ class Context:
     timeout_s: float
     lease_s: float
     stop_at: float = 0.0
+    dynamo: Any = None  # local.dynamodb.DynamoServer, when the run has entitlements
     injected_429: dict[str, int] = field(default_factory=dict)
     later: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
 
@@ -202,6 +203,61 @@ def failover(ctx: Context) -> dict[str, Any]:
             "note": f"master :{node.port} killed; replica promoted after {waited:.2f}s"}
 
 
+def _dynamo_fault(ctx: Context, name: str, kind: str, seconds: float, *,
+                  operations: tuple[str, ...] | None = None, count: int | None = None,
+                  note: str) -> dict[str, Any]:
+    """Inject ``kind`` into the fleet's DynamoDB for ``seconds`` (``operations``: None for
+    every call the request and operator paths make)."""
+    if ctx.dynamo is None:
+        return {"fault": name, "start": time.time(), "end": time.time(),
+                "note": "skipped: the run has no DynamoDB"}
+    ops = operations or DYNAMO_OPERATIONS
+    start = time.time()
+    before = dict(ctx.dynamo.injected)
+    ctx.dynamo.inject(kind, operations=ops, seconds=seconds, count=count)
+    time.sleep(seconds)
+    hits = ctx.dynamo.injected.get(kind, 0) - before.get(kind, 0)
+    return {"fault": name, "start": start, "end": time.time(), "calls_hit": hits,
+            "note": f"{note}; {hits} calls met it"}
+
+
+#: The DynamoDB operations of the request path and the operator path.
+DYNAMO_OPERATIONS = ("TransactWriteItems", "Query", "GetItem", "UpdateItem", "PutItem")
+
+
+def dynamo_down(ctx: Context) -> dict[str, Any]:
+    """For 1 s DynamoDB answers every call 503 ServiceUnavailable (botocore retries)."""
+    return _dynamo_fault(ctx, "dynamo-down", "down", 1.0,
+                         note="every call 503 ServiceUnavailable for 1 s")
+
+
+def dynamo_conflict(ctx: Context) -> dict[str, Any]:
+    """For 2 s every transaction is cancelled with TransactionConflict on every item."""
+    return _dynamo_fault(ctx, "dynamo-conflict", "conflict", 2.0,
+                         operations=("TransactWriteItems",),
+                         note="every transaction TransactionCanceledException "
+                              "(TransactionConflict) for 2 s")
+
+
+def dynamo_throttle(ctx: Context) -> dict[str, Any]:
+    """For 0.4 s every call is throttled (ThrottlingException), then for 0.4 s refused for
+    capacity (ProvisionedThroughputExceededException): botocore backs off and retries."""
+    first = _dynamo_fault(ctx, "dynamo-throttle", "throttle", 0.4, note="")
+    second = _dynamo_fault(ctx, "dynamo-throttle", "capacity", 0.4, note="")
+    return {"fault": "dynamo-throttle", "start": first["start"], "end": second["end"],
+            "calls_hit": first.get("calls_hit", 0) + second.get("calls_hit", 0),
+            "note": f"ThrottlingException 0.4 s ({first['note'].split('; ')[1]}), then "
+                    f"ProvisionedThroughputExceededException 0.4 s "
+                    f"({second['note'].split('; ')[1]})"}
+
+
+def dynamo_lost(ctx: Context) -> dict[str, Any]:
+    """The next 6 transactions (within 3 s) are applied and their answers lost: the
+    connection closes before the reply (botocore retries; the retry finds it applied)."""
+    return _dynamo_fault(ctx, "dynamo-lost", "lost", 3.0, operations=("TransactWriteItems",),
+                         count=6, note="next 6 transactions applied, answer lost")
+
+
 FAULTS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "redis-restart": redis_restart,
     "script-flush": script_flush,
@@ -212,8 +268,14 @@ FAULTS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "upstream-429": upstream_429,
     "ledger-refused": ledger_refused,
     "failover": failover,
+    "dynamo-down": dynamo_down,
+    "dynamo-conflict": dynamo_conflict,
+    "dynamo-throttle": dynamo_throttle,
+    "dynamo-lost": dynamo_lost,
 }
 #: When each fault fires, as a fraction of the run.
 SCHEDULE = {"redis-restart": 0.08, "script-flush": 0.2, "redis-slow": 0.25,
             "upstream-5xx": 0.33, "upstream-429": 0.4, "upstream-latency": 0.5,
-            "kill-lease-holder": 0.55, "ledger-refused": 0.65, "failover": 0.75}
+            "kill-lease-holder": 0.55, "ledger-refused": 0.65, "failover": 0.75,
+            "dynamo-down": 0.14, "dynamo-conflict": 0.7, "dynamo-throttle": 0.6,
+            "dynamo-lost": 0.8}

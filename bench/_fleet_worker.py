@@ -14,10 +14,14 @@ times while it keeps getting 503. Its record names the process that got the 503
 (``retry_of``). Half the time the process that got the 503 then stays idle for
 ``IDLE_AFTER_503_S``, as a Lambda environment often does between invocations: its
 refunds kept during the fault stay pending while the client's retry is served elsewhere.
+
+When the run ends, a process makes the refunds it still keeps (``drain``), as an
+environment would before its next invocation: the checks then see money at rest.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import os
@@ -108,8 +112,11 @@ def _setup(env: dict[str, str], lease_s: float | None,
 
     logging.disable(logging.INFO)  # per-request logs would flood the run; errors are kept
     if log_path is not None:
-        # The functions log and emit metrics (EMF) on stdout, as in Lambda: into a file.
-        os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 1)
+        # The functions log and emit metrics (EMF) on stdout, as in Lambda: into a file;
+        # the library's own warnings (stderr: a draw unresolved, a copy dropped) with them.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
     return {name: importlib.import_module(spec[0]).handler for name, spec in ROUTES.items()}
 
 
@@ -140,7 +147,7 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
     rng = random.Random(seed)
     names, weights = list(WEIGHTS), list(WEIGHTS.values())
     used_keys: list[tuple[str, str, str, dict[str, Any]]] = []  # (user, key, route, request)
-    with open(out_path, "a", buffering=1) as out, lambda_loop():
+    with open(out_path, "a", buffering=1) as out, lambda_loop() as loop:
         n = 0
         while time.time() < _until(stop_at):
             n += 1
@@ -199,6 +206,25 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
                 return
             if think_s:
                 time.sleep(rng.uniform(0, think_s))
+        left = drain(loop)
+        out.write(json.dumps({"kind": "drain", "w": wid, "left": left}) + "\n")
+
+
+#: How long a process at the end of the run keeps trying the refunds it kept, s.
+DRAIN_S = 15.0
+
+
+def drain(loop: Any, timeout_s: float = DRAIN_S) -> int:
+    """Make the refunds (and idempotency releases) this environment still keeps, trying
+    again until none is left or ``timeout_s`` passed; how many are left."""
+    from usage_limits.web import idempotency, refunds
+
+    deadline = time.time() + timeout_s
+    while (refunds.pending() or idempotency.kept()) and time.time() < deadline:
+        loop.run_until_complete(asyncio.gather(refunds.retry(), idempotency.retry()))
+        if refunds.pending() or idempotency.kept():
+            time.sleep(0.2)
+    return refunds.pending() + idempotency.kept()
 
 
 def _take_retry(retries: Any, wid: str) -> tuple[Any, ...] | None:

@@ -1,15 +1,20 @@
 """Fleet harness: many Lambda environments at once, faults injected, the promise checked.
 
     .venv/bin/python bench/fleet.py [--processes 8] [--users 50] [--duration 60] [--cluster]
-                                    [--quick] [--faults all|none|a,b,...] [--out bench/out/fleet]
+                                    [--quick] [--faults all|none|a,b,...] [--no-credit]
+                                    [--out bench/out/fleet]
 
 N spawned processes each act as one Lambda execution environment (``_fleet_worker``): the
 real function modules, their Mangum handlers, payload-v2 events with JWT claims, one
 request at a time. They share one Redis (standalone, or a 3-master cluster with replicas)
-and one provider emulator whose own rate limits equal the throttle's. Faults fire at fixed
-points of the run (``_fleet_faults``). Afterwards the invariants (``_fleet_check``) are
-checked from Redis, the emulator's counters and the invocation records, a table is printed
-and PNG plots are written. Exit status 0 when every invariant holds.
+and one provider emulator whose own rate limits equal the throttle's, and one DynamoDB (moto's
+server, ``local.dynamodb``) holding the entitlements: a share of the users has a small
+paid grant and a small quota, and an operator changes grants, plans and suspensions and
+makes support refunds while traffic runs (``_fleet_credit``). Faults fire at fixed points
+of the run (``_fleet_faults``), in Redis, the providers and DynamoDB. Afterwards the
+invariants (``_fleet_check``) are checked from Redis, DynamoDB, the emulator's counters
+and the invocation records, a table is printed and PNG plots are written. Exit status 0
+when every invariant holds.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import json
 import multiprocessing
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,7 @@ for _p in (HERE, ROOT, ROOT / "layers" / "usage_limits", ROOT / "layers" / "prov
         sys.path.insert(0, str(_p))
 
 import _fleet_check as check  # noqa: E402
+import _fleet_credit as credit  # noqa: E402
 import _fleet_faults as faults  # noqa: E402
 import _fleet_worker as worker  # noqa: E402
 from _fleet_servers import ExternalRedis, FleetRedis  # noqa: E402
@@ -47,6 +54,9 @@ STAGGER_S = 0.25
 RECOVERY_TAIL_S = 6.0
 CHEAP_FAULTS = ["redis-restart", "script-flush", "redis-slow", "upstream-5xx", "upstream-429",
                 "kill-lease-holder", "upstream-latency", "ledger-refused"]
+DYNAMO_FAULTS = ["dynamo-down", "dynamo-conflict", "dynamo-throttle", "dynamo-lost"]
+#: The fleet's entitlements table (in its own DynamoDB server).
+TABLE = "fleet-entitlements"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="use this Redis (e.g. a staging cache) instead of starting one; the "
                          "REDIS_* variables of this shell (REDIS_CLUSTER, REDIS_AUTH, ...) are "
                          "passed on; only upstream faults are allowed")
+    ap.add_argument("--no-credit", action="store_true",
+                    help="no DynamoDB: no grants, operator changes or DynamoDB faults")
     ap.add_argument("--out", default=str(HERE / "out" / "fleet"))
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
@@ -79,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.processes, args.users, args.duration = 4, 10, 20.0
     args.lambda_timeout = args.lambda_timeout or (5.0 if args.quick else 6.0)
     if args.faults == "all":
-        chosen = CHEAP_FAULTS + (["failover"] if args.cluster else [])
+        chosen = CHEAP_FAULTS + (["failover"] if args.cluster else []) \
+            + ([] if args.no_credit else DYNAMO_FAULTS)
     elif args.faults == "none":
         chosen = []
     else:
@@ -104,6 +117,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # user at 63% of 60 tokens in the short window): its short window is half as large,
         # so users are still refused, and still get tokens back within seconds.
         args.budget = f"{30 if args.quick else 60}/{short}s,200/{long_}s"
+    if set(chosen) & set(DYNAMO_FAULTS) and args.no_credit:
+        ap.error("DynamoDB faults need the run's DynamoDB (drop --no-credit)")
+    # The grant users' quota (their plan's longest window): small, so credit pays. The
+    # quick run's traffic is small and, on a busy machine, mostly faults: a quota of 10
+    # makes sure its grants are drawn (their 20- and 30-token routes get 422
+    # cost_exceeds_plan), and grants that outlast the run keep them served, so recovery
+    # after each fault is still seen. The full run's grants run out.
+    args.quota = 10 if args.quick else 40
+    args.grant_tokens = 100 if args.quick else 60
     return args
 
 
@@ -131,7 +153,17 @@ def function_env(redis: FleetRedis, emu: EmulatorProcess,
     return env
 
 
+def credit_env(dynamo: Any, args: argparse.Namespace) -> dict[str, str]:
+    """What the functions need to read entitlements from the run's DynamoDB."""
+    return {"ATTO_ENTITLEMENTS_TABLE": TABLE, "ATTO_DYNAMODB_ENDPOINT": dynamo.url,
+            "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+            **credit.plans_env(args.budget, args.quota)}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import contextlib
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("records-*.jsonl"):
@@ -145,12 +177,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     emu_families = {f: {"rate": r, "latency_ms": 20, "jitter_ms": 40} for f, r in PROVIDERS.items()}
     redis_cm = (ExternalRedis(args.redis_url) if args.redis_url
                 else FleetRedis(cluster=args.cluster))
+    if args.no_credit:
+        dynamo_cm: Any = contextlib.nullcontext()
+    else:
+        from local.dynamodb import DynamoServer
+
+        dynamo_cm = DynamoServer(table=TABLE)
     with redis_cm as redis, \
             EmulatorProcess(seed=args.seed, failure_rate=FAILURE_RATE,
-                            families=emu_families) as emu:
+                            families=emu_families) as emu, dynamo_cm as dynamo:
         env = function_env(redis, emu, args)
+        operator = None
+        if dynamo is not None:
+            env.update(credit_env(dynamo, args))
+            operator = credit.CreditOperator(env, users, args.grant_tokens)
+            operator.setup()
         ctx = faults.Context(redis=redis, emulator=emu, env=env, out_dir=str(out),
-                             timeout_s=args.lambda_timeout, lease_s=lease_s)
+                             timeout_s=args.lambda_timeout, lease_s=lease_s, dynamo=dynamo)
         spawn = multiprocessing.get_context("spawn")
         retries = spawn.Queue()  # keyed requests answered 503, retried by another process
         warmup_s = 4.0 + 1.0 * args.processes  # imports of every function, on 2 cores
@@ -169,19 +212,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             p.start()
         time.sleep(max(0.0, t_start - time.time()))
-        done = []
-        schedule = sorted(args.fault_list, key=lambda f: faults.SCHEDULE[f])
-        for name in schedule:
-            at = t_start + faults.SCHEDULE[name] * args.duration
-            time.sleep(max(0.0, at - time.time()))
-            print(f"[{time.time() - t_start:6.1f}s] fault {name}", flush=True)
-            done.append(faults.FAULTS[name](ctx))
+        if operator is not None:
+            operator.start(t_start, args.duration)
+        done: list[dict[str, Any]] = []
+
+        def fire(names: list[str]) -> None:
+            for name in sorted(names, key=lambda f: faults.SCHEDULE[f]):
+                at = t_start + faults.SCHEDULE[name] * args.duration
+                time.sleep(max(0.0, at - time.time()))
+                print(f"[{time.time() - t_start:6.1f}s] fault {name}", flush=True)
+                done.append(faults.FAULTS[name](ctx))
+
+        # DynamoDB's faults keep their own points of the run, whatever the others took
+        # (an upstream storm lasts until its forced answers are used up).
+        dynamo_thread = threading.Thread(target=fire, name="fleet-dynamo-faults", args=(
+            [f for f in args.fault_list if f in DYNAMO_FAULTS],))
+        dynamo_thread.start()
+        fire([f for f in args.fault_list if f not in DYNAMO_FAULTS])
+        dynamo_thread.join()
+        done.sort(key=lambda f: f["start"])
         if done:
             stop.value = max(stop_at, max(f["end"] for f in done) + RECOVERY_TAIL_S)
         for p in procs:
-            p.join(max(1.0, stop.value - time.time() + args.lambda_timeout + 10))
+            p.join(max(1.0, stop.value - time.time() + args.lambda_timeout + 10
+                       + worker.DRAIN_S))
             if p.is_alive():
                 p.kill()
+        if operator is not None:
+            operator.join(30.0)
         # A leaked lease must come back by itself: wait for it (bounded) before measuring.
         for fault in done:
             back = fault.get("slot_back_after_kill_s")
@@ -190,18 +248,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         later = {}
         for fn in ctx.later:
             later.update(fn())
-        result = evaluate(out, redis, emu, plan, limits, ctx, done, users, later, args, t_start)
+        try:
+            result = evaluate(out, redis, emu, plan, limits, ctx, done, users, later, args,
+                              t_start, operator)
+        finally:
+            if operator is not None:
+                operator.close()
     return result
 
 
 def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
              limits: dict[str, tuple[float, float]], ctx: faults.Context,
              done: list[dict[str, Any]], users: list[str], later: dict[str, Any],
-             args: argparse.Namespace, t_start: float) -> dict[str, Any]:
+             args: argparse.Namespace, t_start: float,
+             operator: credit.CreditOperator | None = None) -> dict[str, Any]:
     lines: list[str] = []
     for path in sorted(out.glob("records-*.jsonl")):
         lines += path.read_text().splitlines()
     ends, in_flight = check.load_records(lines)
+    undrained = sum(json.loads(line).get("left", 0) for line in lines
+                    if '"kind": "drain"' in line)
+    refunded = operator.refunded if operator is not None else {}
+    credit_plans = {}
+    if operator is not None:
+        from usage_limits.web.settings import parse_plans
+
+        credit_plan = parse_plans(ctx.env).get("credit").windows  # type: ignore[union-attr]
+        credit_plans = dict.fromkeys(operator.users, credit_plan)
     client = redis.client()
     ledger = check.read_ledger(client, sorted({r["user"] for r in ends} | {"victim-user"}
                                               | set(users)))
@@ -215,10 +288,13 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
                    "faults": args.fault_list},
         "invocations": len(ends),
         "status": _count(str(r["status"]) for r in ends),
-        "overspend": check.check_overspend(ledger, plan),
+        "overspend": check.check_overspend(ledger, plan, credit_plans),
         "ledger": check.check_ledger(ledger, ends, in_flight, [
             (f["start"], f["end"]) for f in done
-            if f["fault"] in ("redis-restart", "redis-slow", "failover", "ledger-refused")]),
+            if f["fault"] in ("redis-restart", "redis-slow", "failover", "ledger-refused")],
+            refunded),
+        "credit": None if operator is None else check_credit(operator, ends, in_flight,
+                                                             ledger, undrained),
         "providers": check.check_providers(stats, limits, ctx.injected_429),
         "deadlines": check.check_deadlines(ends),
         "faults": check.fault_costs(done, ends),
@@ -237,6 +313,8 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
                                           for p in result["providers"].values()),
         "deadlines_kept": result["deadlines"]["late"] == 0,
     }
+    if result["credit"] is not None:
+        result["invariants"]["credit_conserved"] = credit.credit_ok(result["credit"])
     result["ok"] = all(result["invariants"].values())
     (out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     if not args.no_plots:
@@ -246,10 +324,18 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
     return result
 
 
+def check_credit(operator: credit.CreditOperator, ends: list[dict[str, Any]],
+                 in_flight: list[dict[str, Any]], ledger: dict[str, dict[str, Any]],
+                 undrained: int) -> dict[str, Any]:
+    """Invariant 5, with how many kept refunds the processes could not drain."""
+    return {**credit.check_credit(operator, ends, in_flight, ledger), "undrained": undrained}
+
+
 def _count(items: Any) -> dict[str, int]:
     from collections import Counter
 
     return dict(Counter(items).most_common())
+
 
 
 def table(result: dict[str, Any]) -> str:
@@ -287,6 +373,26 @@ def table(result: dict[str, Any]) -> str:
                 f"{prov} |")
     rows.append(f"| 4. no invocation past its deadline | {mark(inv['deadlines_kept'])} | "
                 f"late {dl['late']}, smallest margin {dl['worst_margin_s']:.3f} s |")
+    cr = result.get("credit")
+    if cr is not None:
+        ops = _count(f"{e['change']} {e['outcome']}" for e in cr["operator"])
+        retried = sum(e["tries"] - 1 for e in cr["operator"])
+        rows.append(
+            f"| 5. credit conserved exactly | {mark(inv['credit_conserved'])} | "
+            f"{cr['granted']} granted, {cr['drawn']} drawn by {cr['charges_that_drew']} "
+            f"charges, {cr['returned']} returned, {cr['consumed']} consumed = "
+            f"{cr['spent_by_successful']} held by {cr['drawn_requests']} successful requests "
+            f"+ {cr['forfeited']} forfeited to a void; {cr['remaining']} spendable, copy "
+            f"differs for {len(cr['copy_differs'])} users; grants off their records "
+            f"{len(cr['grants_wrong'])}, users consumed != spent "
+            f"{len(cr['consumed_not_spent'])}, failed requests holding credit "
+            f"{len(cr['failed_holding_credit'])}, draws Redis != DynamoDB "
+            f"{len(cr['draws_differ'])}; {cr['records']} charge records, "
+            f"{cr['support_refunds']} support refunds, {cr['voided_grants']} voids; served "
+            f"while suspended {len(cr['served_while_suspended'])}; kept refunds undrained "
+            f"{cr['undrained']}; operator changes: "
+            + ", ".join(f"{k} {v}" for k, v in ops.items())
+            + f" ({retried} repeats after a 503) |")
     if result["faults"]:
         rows += ["", "| fault | at (s) | lasted (s) | invocations | errors returned | "
                  "recovered after (s) | note |", "|---|---|---|---|---|---|---|"]
@@ -306,6 +412,8 @@ def table(result: dict[str, Any]) -> str:
         errors = ", ".join(f"{k} {v}" for k, v in r["codes"].items()) or "-"
         rows.append(f"| {route} | {r['n']} | {r['ok']} | {r['replayed']} | {r['p50_ms']} | "
                     f"{r['p90_ms']} | {r['p99_ms']} | {errors} |")
+    total = result["invocations"] or 1
+    rows.insert(2, f"503 share: {result['status'].get('503', 0) / total:.1%}")
     rows += ["", f"ALL INVARIANTS {'HOLD' if result['ok'] else 'BROKEN'}"]
     return "\n".join(rows)
 
@@ -318,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not result["ok"]:
         print(json.dumps({k: result[k] for k in ("overspend", "ledger", "providers",
-                                                 "deadlines")}, indent=1, default=str)[:6000])
+                                                 "deadlines", "credit")},
+                         indent=1, default=str)[:8000])
     return 0 if result["ok"] else 1
 
 

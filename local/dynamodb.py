@@ -7,13 +7,23 @@ moto's backends are not safe to run from several threads at once (two transactio
 item can interleave, or fail with "dictionary changed size during iteration"), so the
 server handles one request at a time, as DynamoDB's own serialisation of writes to an item
 would: connections are still accepted concurrently (HTTP/1.0, one request each).
+
+Faults (``DynamoServer.inject``), for harnesses whose DynamoDB clients live in other
+processes: for a while, calls of the named operations are refused as DynamoDB refuses them
+(``REFUSALS``: a transaction cancelled for a conflict, throttling, the service unavailable),
+or applied with their answer lost (the connection is closed before the reply). ``refusal``
+gives the error response of each kind, the one botocore raises as a ``ClientError``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -21,35 +31,121 @@ from .redis_servers import free_port
 
 #: The table's name in the local stack.
 LOCAL_TABLE = "atto-local-entitlements"
+#: The usage records' table in the local stack.
+LOCAL_USAGE_TABLE = "atto-local-usage"
+#: How DynamoDB refuses a call: fault kind -> (HTTP status, error code).
+REFUSALS = {
+    "conflict": (400, "TransactionCanceledException"),  # TransactionConflict on every item
+    "throttle": (400, "ThrottlingException"),
+    "capacity": (400, "ProvisionedThroughputExceededException"),
+    "down": (503, "ServiceUnavailable"),
+}
+#: Every fault kind: a refusal, or ``lost`` (the call is applied, its answer never sent).
+FAULT_KINDS = (*REFUSALS, "lost")
 
 
-#: How often a kept table is written to its file while the server runs, seconds.
+def refusal(kind: str, items: int = 1) -> dict[str, Any]:
+    """The error response DynamoDB gives for a call refused as ``kind`` (``REFUSALS``).
+
+    Args:
+        kind: ``conflict``, ``throttle``, ``capacity`` or ``down``.
+        items: the transaction's item count (a conflict names a reason per item).
+
+    Returns:
+        ``{"Error": {"Code", "Message"}}``, with ``CancellationReasons`` for a conflict:
+        what ``ClientError.response`` holds.
+
+    Raises:
+        KeyError: ``kind`` is not a refusal.
+    """
+    status, code = REFUSALS[kind]
+    out: dict[str, Any] = {"Error": {"Code": code, "Message": f"injected {kind}"},
+                           "ResponseMetadata": {"HTTPStatusCode": status}}
+    if kind == "conflict":
+        out["CancellationReasons"] = [{"Code": "TransactionConflict",
+                                       "Message": "Transaction is ongoing for the item"}
+                                      ] * max(1, items)
+    return out
+
+
+@dataclass
+class Fault:
+    """One injected fault: ``kind`` on ``operations`` until ``until`` (epoch s), for at
+    most ``count`` calls (None: every call meanwhile)."""
+
+    kind: str
+    operations: frozenset[str]
+    until: float
+    count: int | None = None
+    hits: int = 0
+
+
+#: How often kept tables are written to their file while the server runs, seconds.
 SAVE_EVERY_S = 5.0
 
 
 class DynamoServer:
-    """moto's DynamoDB server on a private loopback port, with the entitlements table.
+    """moto's DynamoDB server on a private loopback port, with the entitlements table and
+    the usage records' table.
 
     Args:
-        table: the table's name.
-        state_file: keep the table across restarts: its items are read from this JSON file
-            at start (when it exists) and written back every ``SAVE_EVERY_S`` and at stop;
-            None (the default) keeps nothing.
+        table, usage_table: the tables' names.
+        state_file: keep both tables across restarts: their items are read from this JSON
+            file at start (when it exists) and written back every ``SAVE_EVERY_S`` and at
+            stop; None (the default) keeps nothing.
 
     Attributes:
         url: the endpoint, ``http://127.0.0.1:<port>``.
         table: the entitlements table's name.
+        usage_table: the usage records' table's name.
     """
 
-    def __init__(self, table: str = LOCAL_TABLE, *, state_file: str | None = None) -> None:
+    def __init__(self, table: str = LOCAL_TABLE, usage_table: str = LOCAL_USAGE_TABLE, *,
+                 state_file: str | None = None) -> None:
         self.table = table
+        self.usage_table = usage_table
         self.state_file = state_file
-        self.port = 0
-        self.url = ""
-        self._server: object | None = None
         self._client: Any = None
         self._stop: Any = None
         self._saver: Any = None
+        self.port = 0
+        self.url = ""
+        self._server: object | None = None
+        self._faults: list[Fault] = []
+        self._lock = threading.Lock()
+        #: calls met by a fault, per kind
+        self.injected: dict[str, int] = {}
+
+    def inject(self, kind: str, *, operations: tuple[str, ...] = ("TransactWriteItems",),
+               seconds: float = 1.0, count: int | None = None) -> Fault:
+        """Fail calls of ``operations`` as ``kind`` for ``seconds`` (at most ``count`` calls).
+
+        Raises:
+            ValueError: ``kind`` is not one of ``FAULT_KINDS``.
+        """
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown DynamoDB fault {kind!r}; one of {FAULT_KINDS}")
+        fault = Fault(kind, frozenset(operations), time.time() + seconds, count)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        """End every injected fault now."""
+        with self._lock:
+            self._faults.clear()
+
+    def _fault_for(self, operation: str) -> Fault | None:
+        now = time.time()
+        with self._lock:
+            self._faults = [f for f in self._faults if f.until > now
+                            and (f.count is None or f.hits < f.count)]
+            for fault in self._faults:
+                if operation in fault.operations:
+                    fault.hits += 1
+                    self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1
+                    return fault
+        return None
 
     def __enter__(self) -> DynamoServer:
         import warnings
@@ -58,7 +154,7 @@ class DynamoServer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             server = _serial_moto_server(ip_address="127.0.0.1", port=self.port,
-                                         verbose=False)
+                                         verbose=False, faults=self._fault_for)
         server.start()
         self._server = server
         self.url = f"http://127.0.0.1:{self.port}"
@@ -66,6 +162,7 @@ class DynamoServer:
 
         from usage_limits.entitlements.config import StoreSettings
         from usage_limits.entitlements.store import EntitlementStore
+        from usage_limits.entitlements.usage_store import UsageSettings, UsageStore
 
         region = os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         # The local server accepts any credentials; these keep the shell's real ones unused.
@@ -73,11 +170,11 @@ class DynamoServer:
                               aws_access_key_id="local", aws_secret_access_key="local")
         EntitlementStore(StoreSettings(table=self.table, endpoint_url=self.url, region=region),
                          client=client).create_table()
+        UsageStore(UsageSettings(table=self.usage_table, endpoint_url=self.url, region=region),
+                   client=client).create_table()
         self._client = client
         if self.state_file:
             self._restore()
-            import threading
-
             self._stop = threading.Event()
             self._saver = threading.Thread(target=self._save_often, daemon=True,
                                            name="dynamodb-state")
@@ -96,17 +193,19 @@ class DynamoServer:
             self._server = None
 
     def save(self) -> None:
-        """Write every item of the table to ``state_file`` (atomically: a new file, then a
+        """Write every item of both tables to ``state_file`` (atomically: a new file, then a
         rename), as DynamoDB JSON."""
         if not self.state_file:
             return
-        items: list[Any] = []
-        for page in self._client.get_paginator("scan").paginate(TableName=self.table,
-                                                                ConsistentRead=True):
-            items.extend(page["Items"])
+        tables: dict[str, list[Any]] = {}
+        for table in (self.table, self.usage_table):
+            items = tables[table] = []
+            for page in self._client.get_paginator("scan").paginate(TableName=table,
+                                                                    ConsistentRead=True):
+                items.extend(page["Items"])
         temporary = self.state_file + ".new"
         with open(temporary, "w", encoding="utf-8") as out:
-            json.dump({"table": self.table, "items": items}, out)
+            json.dump({"tables": tables}, out)
         os.replace(temporary, self.state_file)
 
     def _restore(self) -> None:
@@ -115,24 +214,48 @@ class DynamoServer:
         if not os.path.exists(self.state_file):
             return
         with open(self.state_file, encoding="utf-8") as source:
-            items = json.load(source)["items"]
-        for start in range(0, len(items), 25):
-            batch = [{"PutRequest": {"Item": item}} for item in items[start:start + 25]]
-            self._client.batch_write_item(RequestItems={self.table: batch})
+            tables = json.load(source)["tables"]
+        for table, items in tables.items():
+            if table not in (self.table, self.usage_table):
+                continue
+            for start in range(0, len(items), 25):
+                batch = [{"PutRequest": {"Item": item}} for item in items[start:start + 25]]
+                self._client.batch_write_item(RequestItems={table: batch})
 
     def _save_often(self) -> None:
         while not self._stop.wait(SAVE_EVERY_S):
             try:
                 self.save()
-            except Exception as exc:  # a failed save leaves the previous file; say so once
+            except Exception as exc:  # a failed save leaves the previous file; say so
                 print(f"make serve: could not keep the local DynamoDB state: {exc}",
                       file=sys.stderr)
 
 
-def _serial_moto_server(**kwargs: object) -> Any:
+def _refused(kind: str, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+    """Answer the request as DynamoDB refusing it (its body is read, then ignored)."""
+    length = int(environ.get("CONTENT_LENGTH") or 0)
+    body = environ["wsgi.input"].read(length) if length else b""
+    try:
+        items = len(json.loads(body or b"{}").get("TransactItems") or ())
+    except ValueError:
+        items = 1
+    error = refusal(kind, items)
+    status, code = REFUSALS[kind]
+    payload: dict[str, Any] = {"__type": f"com.amazonaws.dynamodb.v20120810#{code}",
+                               "message": error["Error"]["Message"]}
+    if "CancellationReasons" in error:
+        payload["CancellationReasons"] = error["CancellationReasons"]
+    data = json.dumps(payload).encode()
+    start_response(f"{status} {'Bad Request' if status == 400 else 'Service Unavailable'}",
+                   [("Content-Type", "application/x-amz-json-1.0"),
+                    ("Content-Length", str(len(data)))])
+    return [data]
+
+
+def _serial_moto_server(*, faults: Any = None, **kwargs: object) -> Any:
     """moto's threaded server whose application runs one request at a time (moto is
-    imported here, when the local stack first needs it)."""
-    import threading
+    imported here, when the local stack first needs it); ``faults(operation)`` gives the
+    fault to apply to a call, or None."""
 
     from moto.moto_server.threaded_moto_server import ThreadedMotoServer
     from moto.moto_server.werkzeug_app import (
@@ -154,9 +277,18 @@ def _serial_moto_server(**kwargs: object) -> Any:
             app = DomainDispatcherApplication(create_backend_app)
             lock = threading.Lock()
 
-            def serial(environ: dict[str, object], start_response: object) -> list[bytes]:
+            def serial(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+                target = str(environ.get("HTTP_X_AMZ_TARGET", ""))
+                fault = faults(target.rpartition(".")[2]) if faults and target else None
+                if fault is not None and fault.kind != "lost":
+                    return _refused(fault.kind, environ, start_response)
                 with lock:
-                    return list(app(environ, start_response))
+                    body = list(app(environ, start_response))
+                if fault is not None:  # applied; the answer never reaches the caller
+                    sock = environ.get("werkzeug.socket")
+                    if sock is not None:
+                        sock.shutdown(socket.SHUT_RDWR)
+                return body
 
             self._server = make_server(self._ip_address, self._port, serial, True,
                                        request_handler=Quiet)

@@ -76,7 +76,7 @@ DEFAULT_ENGINE = "redis7"
 #: tests/integration modules (name prefixes) whose tests run once per engine: the ledger
 #: (budget), the throttle, the connection, the fleet harness and the server fixtures.
 EVERY_ENGINE_MODULES = ("test_budget_", "test_throttle", "test_connection", "test_fleet",
-                        "test_servers")
+                        "test_servers", "test_usage_records")
 INTEGRATION = Path(__file__).parent / "integration"
 #: tests/integration modules (file names) that measure time across processes under load
 #: (load runs, wake-up lateness, rates per second). Marked ``timing``: `make test` runs them
@@ -347,9 +347,10 @@ def uid() -> str:
 def _forget_pending_refunds() -> Iterator[None]:
     """Refunds a test leaves pending (its Redis gone) must not be retried by the next test."""
     yield
-    from usage_limits.web import refunds
+    from usage_limits.web import records, refunds
 
     refunds.clear()
+    records.clear()
 
 
 class StartEnvironment(Protocol):

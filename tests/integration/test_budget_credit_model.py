@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from botocore.exceptions import ClientError, ReadTimeoutError
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from moto import mock_aws
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from tests.dynamofaults import FaultyClient
 from usage_limits.budget import TokenBudget, Window, new_nonce
 from usage_limits.entitlements import NotFound
 from usage_limits.entitlements.cache import EntitlementCache
@@ -44,30 +44,6 @@ PLANS = "free=1000/1h,4/30d;other=1000/1h,4/30d"
 STEPS = 30
 DYNAMO_FAULTS = ("down", "conflict", "lost")
 REDIS_FAULTS = ("lost", "resend")
-
-
-class FaultyClient:
-    """A boto3 DynamoDB client whose next transaction fails as told (then works again)."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.fault: str | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-    def transact_write_items(self, **kwargs: Any) -> Any:
-        fault, self.fault = self.fault, None
-        if fault == "down":
-            raise ClientError({"Error": {"Code": "ThrottlingException"}}, "TransactWriteItems")
-        if fault == "conflict":
-            reasons = [{"Code": "TransactionConflict"}] * len(kwargs["TransactItems"])
-            raise ClientError({"Error": {"Code": "TransactionCanceledException"},
-                               "CancellationReasons": reasons}, "TransactWriteItems")
-        reply = self._client.transact_write_items(**kwargs)
-        if fault == "lost":
-            raise ReadTimeoutError(endpoint_url="dynamodb")
-        return reply
 
 
 class CreditMachine(RuleBasedStateMachine):
@@ -144,6 +120,13 @@ class CreditMachine(RuleBasedStateMachine):
             done = self.run(self.cache.lower(self.budget, self.user, rid, nonce, target,
                                              state=state))  # type: ignore[arg-type]
             assert done.settled
+            if served and not done.returned and not done.lowered.changed:
+                # the first try landed and only its answer was lost: what it gave back is
+                # known from the record alone
+                record = self.store.charge_record(self.user, rid, nonce)
+                if record is not None:
+                    self.served[rid]["standing"] = dict(record.consumed)
+                    continue
             self._returned(rid, done.returned, served)
 
     # ------------------------------------------------------------------ rules
@@ -339,6 +322,79 @@ def test_a_refund_after_a_reload_leaves_the_copy_equal_to_dynamodb(
                     return sorted(machine.served)[-1]
 
             machine.fail_or_settle(Last(), None, None, True)  # type: ignore[arg-type]
+            machine.books_balance()
+        finally:
+            loop.run_until_complete(client.aclose())
+            loop.close()
+
+
+def test_a_refund_whose_answer_was_lost_gives_the_copy_its_credit_back(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed request's refund lands in DynamoDB but its answer is lost, so the refund is
+    kept; when it is retried (finding the return already made) the copy lets the user
+    spend exactly what DynamoDB holds, not 2 tokens less."""
+    _aws_env(monkeypatch)
+    loop = asyncio.new_event_loop()
+    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
+    with mock_aws():
+        boto = _table()
+        CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
+        try:
+            machine = CreditMachine()
+            machine.add_grant(8)
+            for _ in range(3):  # the quota is 4: the third request draws its 2 from credit
+                machine.request(2, None)
+            last = sorted(machine.served)[-1]
+            assert machine.served[last]["standing"] == {"g0": 2}
+
+            class Last:
+                def draw(self, strategy: Any) -> str:
+                    return last
+
+            machine.fail_or_settle(Last(), "lost", None, True)  # type: ignore[arg-type]
+            assert machine.kept  # the return's answer was lost: kept, as the middleware does
+            machine._retry_kept()
+            machine.books_balance()
+        finally:
+            loop.run_until_complete(client.aclose())
+            loop.close()
+
+
+def test_a_support_refund_whose_answer_was_lost_gives_the_copy_its_credit_when_repeated(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A support refund lands in DynamoDB and its answer is lost before the ledger's part;
+    the operator repeats it: the repeat answers the first refund and the copy lets the user
+    spend exactly what DynamoDB holds, the refunded credit included."""
+    from usage_limits.entitlements import StoreUnavailable
+
+    _aws_env(monkeypatch)
+    loop = asyncio.new_event_loop()
+    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
+    with mock_aws():
+        boto = _table()
+        CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
+        try:
+            machine = CreditMachine()
+            machine.add_grant(8)
+            for _ in range(3):  # the third request draws its 2 from credit
+                machine.request(2, None)
+            rid = sorted(machine.served)[-1]
+            real = machine.store.refund_charge
+
+            def applied_then_lost(*args: Any, **kwargs: Any) -> Any:
+                real(*args, **kwargs)
+                raise StoreUnavailable("read timeout")
+
+            machine.store.refund_charge = applied_then_lost  # type: ignore[method-assign]
+            with pytest.raises(StoreUnavailable):
+                machine.run(machine.operator.refund(machine.user, rid, actor="op",
+                                                    reason="support"))
+            machine.store.refund_charge = real  # type: ignore[method-assign]
+            done, created = machine.run(machine.operator.refund(machine.user, rid,
+                                                                actor="op", reason="again"))
+            assert not created and done.credit == (("g0", 2),)
+            machine.refunds_made += 1
+            machine._returned(rid, done.credit, True)
             machine.books_balance()
         finally:
             loop.run_until_complete(client.aclose())

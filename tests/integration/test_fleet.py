@@ -39,11 +39,27 @@ def standalone(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 def test_every_invariant_holds(standalone: dict[str, Any]) -> None:
-    """No overspend, ledger equals successful work, providers within limits, deadlines kept."""
+    """No overspend, ledger equals successful work, providers within limits, deadlines kept,
+    paid credit conserved exactly."""
     assert standalone["invariants"] == {"no_overspend": True, "ledger_equals_work": True,
                                         "providers_within_limit": True,
-                                        "deadlines_kept": True}, standalone["_stdout"]
+                                        "deadlines_kept": True,
+                                        "credit_conserved": True}, standalone["_stdout"]
     assert standalone["_rc"] == 0
+
+
+def test_credit_was_drawn_under_operator_changes_and_dynamodb_faults(
+        standalone: dict[str, Any]) -> None:
+    """Grants were drawn from, every operator change was made (support refunds included),
+    and the DynamoDB faults met calls of the run."""
+    credit = standalone["credit"]
+    assert credit["charges_that_drew"] > 0 and credit["drawn"] > 0
+    assert {e["change"] for e in credit["operator"]} >= {"grant", "plan", "void", "suspend",
+                                                          "lift", "refund"}
+    assert all(e["outcome"] in ("done", "not_found") for e in credit["operator"])
+    hit = {f["fault"]: f["calls_hit"] for f in standalone["faults"] if "calls_hit" in f}
+    assert set(hit) == {"dynamo-down", "dynamo-conflict", "dynamo-throttle", "dynamo-lost"}
+    assert sum(hit.values()) > 0
 
 
 def test_budgets_were_really_exhausted(standalone: dict[str, Any]) -> None:

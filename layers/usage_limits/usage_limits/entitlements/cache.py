@@ -394,8 +394,13 @@ class EntitlementCache:
         lowered = await budget.lower(user_id, request_id, new_cost, nonce=nonce,
                                      credit=credit, uncross=uncross)
         if ret is not None and (lowered.stale or ret.changed != lowered.changed
-                                or (ret.existed and ret.returned != lowered.returned)):
-            # the copy did not take exactly what DynamoDB did: drop it, it reloads
+                                or (ret.existed and ret.returned != lowered.returned)
+                                or (ret.existed and not ret.changed
+                                    and ret.record is not None and ret.record.returned)):
+            # the copy did not take exactly what DynamoDB did: drop it, it reloads. A
+            # lowering DynamoDB finds made already, with credit returned, is one whose
+            # answer was lost (the copy got none of it then) or a repeat: either way the
+            # copy cannot know it holds that credit.
             await self.forget(budget, user_id, lowered.epoch)
         return CreditLowered(lowered, settled=ret is not None,
                              returned=ret.returned if ret is not None else ())

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from .cache import EntitlementCache
     from .charges import ChargeRecord
     from .store import EntitlementStore
+    from .usage import GrantEvent
+    from .usage_store import UsageStore
 
 #: Spend events shown in a user's picture.
 PICTURE_EVENTS = 50
@@ -70,14 +72,17 @@ class Operator:
         budget: the ledger (for windows, spend events and support refunds).
         cache: the entitlements cache the request path reads (None: the request path reads
             no entitlements, and changes need no refresh).
+        usage: the usage records (None: none are kept; a support refund lowers none).
     """
 
     def __init__(self, store: EntitlementStore, plans: Plans, budget: TokenBudget,
-                 cache: EntitlementCache | None = None) -> None:
+                 cache: EntitlementCache | None = None, *,
+                 usage: UsageStore | None = None) -> None:
         self.store = store
         self.plans = plans
         self.budget = budget
         self.cache = cache
+        self.usage = usage
 
     async def _refresh(self, user_id: str) -> None:
         """Make the user's next request load what the store now holds.
@@ -207,6 +212,7 @@ class Operator:
                                                         rid)
         if earlier is not None:
             await self._finish_ledger(user_id, earlier, first=False)
+            await self._lower_record(user_id, earlier)
             return earlier, False
         if ledger is None and record is None:
             raise NotFound(f"no charge {request_id!r} in the user's ledger")
@@ -215,13 +221,48 @@ class Operator:
                                         tokens=ledger.cost if ledger is not None else 0,
                                         actor=actor, reason=reason)
         await self._finish_ledger(user_id, done, first=created)
+        await self._lower_record(user_id, done)
         return done, created
+
+    async def _lower_record(self, user_id: str, refund: SupportRefund) -> None:
+        """Mark the refunded charge's usage record ``support-refunded`` (idempotent: a
+        repeated call, or a refund the request path made first, changes nothing).
+
+        Raises:
+            NotRefreshed: DynamoDB failed; the refund itself is recorded.
+        """
+        if self.usage is None or not refund.nonce:
+            return
+        try:
+            await self._run(self.usage.lower, user_id, refund.request_id, refund.nonce, 0,
+                            "support-refunded", refund.change.at_ms)
+        except StoreUnavailable as exc:
+            raise NotRefreshed("the refund is recorded, but the charge's usage record could "
+                               "not be updated; repeat the call (it is idempotent)") from exc
+
+    async def grant_history(self, user_id: str, reference: str) -> list[GrantEvent]:
+        """A grant's history: created, each draw and return, void and expiry, oldest
+        first (from the grant's item and the user's charge records).
+
+        Raises:
+            NotFound: the user has no grant with this reference.
+        """
+        from .models import check_reference
+        from .usage import grant_history
+
+        item = await self._run(self.store._get, user_id, "E#G#" + check_reference(reference))
+        if item is None:
+            raise NotFound(f"the user has no grant with reference {reference!r}")
+        charges: list[ChargeRecord] = await self._run(self.store.charge_records, user_id)
+        return grant_history(item, charges)
 
     async def _finish_ledger(self, user_id: str, refund: SupportRefund, *, first: bool) -> None:
         """Give the refunded charge's tokens back in the ledger, and its credit to the copy.
 
         The copy gets exactly the credit the record of truth gave back, or is dropped (it
-        reloads): never more, and nothing lost.
+        reloads): never more, and nothing lost. A repeat (``first`` False) gives it too: the
+        ledger takes it only with a lowering it makes now, so the copy gets it once,
+        whether or not the first call's answer was lost before the ledger's part.
 
         Raises:
             NotRefreshed: Redis failed; the refund itself is recorded.
@@ -230,10 +271,10 @@ class Operator:
             if self.cache is None:
                 await self.budget.refund(user_id, refund.request_id, nonce=refund.nonce)
                 return
-            credit = refund.credit if first else ()
+            credit = refund.credit
             lowered = await self.budget.lower(user_id, refund.request_id, 0,
                                               nonce=refund.nonce, credit=credit)
-            if refund.credit and (lowered.stale or lowered.returned != credit):
+            if credit and (lowered.stale or lowered.returned != credit):
                 await self.cache.forget(self.budget, user_id, lowered.epoch)
         except LimiterUnavailable as exc:
             raise NotRefreshed("the refund is recorded, with the credit given back to its "

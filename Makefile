@@ -103,8 +103,12 @@ test-quick: $(STAMP) redis-server ## The fast part of the tests, about 1-2 minut
 	  $(QUICK_TESTS)
 
 .PHONY: serve
-serve: $(STAMP) redis-server ## Run the API locally (PORT=8000, WORKERS=1).
-	$(PY) -m local.serve
+serve: $(STAMP) redis-server ## Run the API locally (PORT=8000, WORKERS=1); its state stays in .local/ across restarts.
+	ATTO_LOCAL_DATA="$${ATTO_LOCAL_DATA-$(CURDIR)/.local}" $(PY) -m local.serve
+
+.PHONY: reset-local
+reset-local: ## Forget the local state of make serve (budgets, grants, audit in .local/).
+	rm -rf .local
 
 .PHONY: invoke
 invoke: $(STAMP) redis-server ## Invoke a function handler with an event: make invoke FN=structured EVENT=events/structured.json

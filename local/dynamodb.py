@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -79,9 +80,19 @@ class Fault:
     hits: int = 0
 
 
+#: How often kept tables are written to their file while the server runs, seconds.
+SAVE_EVERY_S = 5.0
+
+
 class DynamoServer:
     """moto's DynamoDB server on a private loopback port, with the entitlements table and
     the usage records' table.
+
+    Args:
+        table, usage_table: the tables' names.
+        state_file: keep both tables across restarts: their items are read from this JSON
+            file at start (when it exists) and written back every ``SAVE_EVERY_S`` and at
+            stop; None (the default) keeps nothing.
 
     Attributes:
         url: the endpoint, ``http://127.0.0.1:<port>``.
@@ -89,9 +100,14 @@ class DynamoServer:
         usage_table: the usage records' table's name.
     """
 
-    def __init__(self, table: str = LOCAL_TABLE, usage_table: str = LOCAL_USAGE_TABLE) -> None:
+    def __init__(self, table: str = LOCAL_TABLE, usage_table: str = LOCAL_USAGE_TABLE, *,
+                 state_file: str | None = None) -> None:
         self.table = table
         self.usage_table = usage_table
+        self.state_file = state_file
+        self._client: Any = None
+        self._stop: Any = None
+        self._saver: Any = None
         self.port = 0
         self.url = ""
         self._server: object | None = None
@@ -156,13 +172,63 @@ class DynamoServer:
                          client=client).create_table()
         UsageStore(UsageSettings(table=self.usage_table, endpoint_url=self.url, region=region),
                    client=client).create_table()
+        self._client = client
+        if self.state_file:
+            self._restore()
+            self._stop = threading.Event()
+            self._saver = threading.Thread(target=self._save_often, daemon=True,
+                                           name="dynamodb-state")
+            self._saver.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self._saver is not None:
+            self._stop.set()
+            self._saver.join(10)
+            self._saver = None
+            self.save()
         if self._server is not None:
             self._server.stop()  # type: ignore[attr-defined]
             self._server = None
+
+    def save(self) -> None:
+        """Write every item of both tables to ``state_file`` (atomically: a new file, then a
+        rename), as DynamoDB JSON."""
+        if not self.state_file:
+            return
+        tables: dict[str, list[Any]] = {}
+        for table in (self.table, self.usage_table):
+            items = tables[table] = []
+            for page in self._client.get_paginator("scan").paginate(TableName=table,
+                                                                    ConsistentRead=True):
+                items.extend(page["Items"])
+        temporary = self.state_file + ".new"
+        with open(temporary, "w", encoding="utf-8") as out:
+            json.dump({"tables": tables}, out)
+        os.replace(temporary, self.state_file)
+
+    def _restore(self) -> None:
+        """Put back the items ``state_file`` holds (none when it does not exist)."""
+        assert self.state_file
+        if not os.path.exists(self.state_file):
+            return
+        with open(self.state_file, encoding="utf-8") as source:
+            tables = json.load(source)["tables"]
+        for table, items in tables.items():
+            if table not in (self.table, self.usage_table):
+                continue
+            for start in range(0, len(items), 25):
+                batch = [{"PutRequest": {"Item": item}} for item in items[start:start + 25]]
+                self._client.batch_write_item(RequestItems={table: batch})
+
+    def _save_often(self) -> None:
+        while not self._stop.wait(SAVE_EVERY_S):
+            try:
+                self.save()
+            except Exception as exc:  # a failed save leaves the previous file; say so
+                print(f"make serve: could not keep the local DynamoDB state: {exc}",
+                      file=sys.stderr)
 
 
 def _refused(kind: str, environ: dict[str, Any], start_response: Any) -> list[bytes]:

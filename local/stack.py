@@ -7,7 +7,9 @@ entitlements table and the usage records' table is started; with neither ``ATTO_
 nor ``ATTO_BUDGET`` set, the plans are ``LOCAL_PLANS``: the usual budget as the default
 plan, and a ``free`` plan with a small monthly quota (chosen with ``X-Atto-Plan: free``)
 to try credit grants on, and a larger ``pro`` plan for an operator to give.
-Local mode (``ATTO_ENV=local``) is always on here.
+Local mode (``ATTO_ENV=local``) is always on here. With ``ATTO_LOCAL_DATA`` set (``make
+serve`` sets ``.local``), that Redis and that DynamoDB keep their state in it across
+restarts (budgets, grants, usage records, the audit log); ``make reset-local`` deletes it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ LOCAL_DEFAULTS = {"LOG_LEVEL": "WARNING", "POWERTOOLS_METRICS_DISABLED": "true",
 LOCAL_PLANS = "default=100/1h,1000/30d;free=100/1h,24/30d;pro=400/1h,20000/30d"
 
 
+#: The directory that keeps the local Redis and DynamoDB state across restarts (``make
+#: serve`` sets it to ``.local``); unset or empty, nothing is kept.
+DATA_ENV = "ATTO_LOCAL_DATA"
+#: The local Redis keeps its data in an append-only file (fsync every second), so a stop,
+#: even a kill, loses at most the last second.
+KEEP_REDIS = ["--appendonly", "yes", "--appendfsync", "everysec"]
+
+
 def _emulator_port(env: dict[str, str]) -> int:
     """``EMULATOR_PORT`` (default 8100) when free, else any free port (0)."""
     import socket
@@ -73,14 +83,20 @@ def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
     if not env.get("ATTO_PLANS") and not env.get("ATTO_BUDGET"):
         started["ATTO_PLANS"] = LOCAL_PLANS
     with contextlib.ExitStack() as stack:
+        data = env.get(DATA_ENV) or None
+        if data:
+            os.makedirs(os.path.join(data, "redis"), exist_ok=True)
         if not env.get("REDIS_URL"):
-            server = stack.enter_context(RedisServer())
+            server = stack.enter_context(RedisServer(
+                workdir=os.path.join(data, "redis"), extra=KEEP_REDIS) if data
+                else RedisServer())
             started["REDIS_URL"] = server.url
         if not env.get("ATTO_ENTITLEMENTS_TABLE"):
             _local_aws_defaults(env, started)
             from .dynamodb import DynamoServer
 
-            dynamo = stack.enter_context(DynamoServer())
+            dynamo = stack.enter_context(DynamoServer(
+                state_file=os.path.join(data, "dynamodb.json") if data else None))
             started["ATTO_ENTITLEMENTS_TABLE"] = dynamo.table
             if not env.get("ATTO_USAGE_TABLE"):
                 started["ATTO_USAGE_TABLE"] = dynamo.usage_table

@@ -9,6 +9,10 @@ grants and draws, computed the slow obvious way, following the documented rules:
   min(need, cost) from the live grants (now < expiry, or none), earliest expiry first (none
   last), promo before paid, older first, then by reference; short credit rejects it, and the
   quota's wait counts each event's quota part;
+- a cost above a shorter window's limit is refused ("too_big", nothing changes); a cost
+  above the quota's is served with credit paying at least cost - quota, refused "too_big"
+  while the live credit is short of that, and otherwise, when rejected, waits until the
+  quota frees need - credit tokens;
 - lowering a charge by delta gives back min(delta, drawn) in reverse draw order, each part
   to its grant only when the grant is still loaded, not expired, and the draw was made
   under the current load epoch;
@@ -100,18 +104,28 @@ class GrantModel(Model):
     def reserve_entitled(self, rid: str, cost: int, route: str, nonce: str, now_ms: int,
                          plan: list[Window]) -> GrantAnswer:
         """The answer to a reservation by a loaded, not suspended user."""
+        if any(cost > w.limit for w in plan[:-1]) and not (
+                rid in self.events and self.events[rid].nonce == nonce):
+            return GrantAnswer("too_big", 0, (), (), None, self.epoch)
+        quota = plan[-1]
+        if cost > quota.limit:  # refused before anything is written (the clock included)
+            clk = max(self.clk, now_ms)
+            cut = clk - max(self.lengths | {w.ms for w in plan})
+            charged = rid in self.events and self.events[rid].at > cut
+            if not charged and self.credit(clk) < cost - quota.limit:
+                return GrantAnswer("too_big", 0, (), (), self.credit(clk), self.epoch)
         self.started = True
         self.tick(now_ms, plan)
-        quota = plan[-1]
         draws: list[tuple[str, int]] = []
         credit: int | None = None
         epoch = self.epoch
         if rid in self.events:
             same = self.events[rid].nonce == nonce
             status = "charged" if same else "duplicate"
-            if same and rid in self.draws:
-                epoch, draws = self.draws[rid][0], list(self.draws[rid][1])
+            if same:  # a re-send reports its draws and the live credit
                 credit = self.credit(self.clk)
+                if rid in self.draws:
+                    epoch, draws = self.draws[rid][0], list(self.draws[rid][1])
             return GrantAnswer(status, 0, self._used(plan), tuple(draws), credit, epoch)
         wait, short = 0, False
         for w in plan[:-1]:
@@ -124,7 +138,9 @@ class GrantModel(Model):
             want = min(need, cost)
             if credit < want:
                 short = True
-                wait = max(wait, self.quota_wait(quota, need))
+                # a cost above the quota waits until the credit covers the rest
+                free = need - credit if cost > quota.limit else need
+                wait = max(wait, self.quota_wait(quota, free))
             elif not short:
                 for g in self.live(self.clk):
                     n = min(want, g.remaining)
@@ -139,6 +155,8 @@ class GrantModel(Model):
         self.events[rid] = Event(self.clk, cost, route, nonce)
         if draws:
             self.draws[rid] = (self.epoch, draws)
+        if credit is None:  # a charge reports the live credit after it
+            credit = self.credit(self.clk)
         return GrantAnswer("charged", 0, self._used(plan), tuple(draws), credit, epoch)
 
     def _used(self, plan: list[Window]) -> tuple[int, ...]:

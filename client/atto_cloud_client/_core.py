@@ -299,6 +299,9 @@ class Call(Generic[T]):
         self.observed.last_response = info
         if info.rate_limit is not None:
             self.observed.rate_limit = info.rate_limit
+            if info.rate_limit.credit is not None:  # every metered answer says it
+                self.observed.credit = CreditBalance(remaining=info.rate_limit.credit,
+                                                     grants=())
         if response.is_success:
             try:
                 body = response.json()

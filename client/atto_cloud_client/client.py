@@ -75,7 +75,9 @@ class _Base:
 
     @property
     def credit(self) -> CreditBalance | None:
-        """The last credit balance seen in a usage answer or a 429, if the server sends one."""
+        """The last credit balance seen: every metered answer's ``RateLimit`` header carries
+        it (``remaining`` only), a usage answer or a 429 its grants too; None until one
+        reported it (entitlements off: never)."""
         return self._observed.credit
 
     def _call(self, route: Route[T], *, idempotency_key: str | None,

@@ -1,12 +1,14 @@
 """The IETF ``RateLimit-Policy`` and ``RateLimit`` headers, parsed into data.
 
-Atto Cloud sends one item per window of the user's plan, in token units::
+Atto Cloud sends one item per window of the user's plan, in token units (``atto-qu``)::
 
-    RateLimit-Policy: "1h";q=100;w=3600, "30d";q=1000;w=2592000
-    RateLimit: "1h";r=92;t=3512, "30d";r=992;t=2591912
+    RateLimit-Policy: "1h";q=100;w=3600;atto-qu="tokens", "30d";q=1000;w=2592000;atto-qu="tokens"
+    RateLimit: "1h";r=92;t=3512, "30d";r=1476;t=2591912;atto-credit=484
 
 ``q`` is the window's quota, ``w`` its length in seconds, ``r`` what is left and ``t`` the
-seconds until the oldest charge in that window leaves it. The parser reads the structured
+seconds until the oldest charge in that window leaves it. Credit pays beyond the quota (the
+longest window), so that window's ``r`` counts the live credit too, and ``atto-credit``
+gives the credit alone (only with entitlements on). The parser reads the structured
 field lists of RFC 8941 (quoted or bare item names, integer, decimal, string or boolean
 parameters) and skips what it cannot read rather than failing a call over a header.
 """
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 POLICY_HEADER = "RateLimit-Policy"
 STATUS_HEADER = "RateLimit"
+#: The vendor parameter of the quota's ``RateLimit`` item: the live credit, tokens.
+CREDIT_PARAM = "atto-credit"
 
 _ITEM = re.compile(r'\s*(?:"((?:[^"\\]|\\.)*)"|([A-Za-z*][A-Za-z0-9_.:%*/-]*))')
 _PARAM = re.compile(
@@ -36,8 +40,11 @@ class RateLimitWindow:
         name: the window's label (``"1h"``, ``"30d"``).
         limit: tokens allowed in the window (``q``), if the policy header gave it.
         window_s: the window's length in seconds (``w``), if given.
-        remaining: tokens left (``r``), if the status header gave it.
+        remaining: tokens the window still admits (``r``), credit included for the quota,
+            if the status header gave it.
         reset_s: seconds until the oldest charge leaves the window (``t``), if given.
+        credit: the live credit counted in ``remaining`` (``atto-credit``): on the quota's
+            window only, with entitlements on; else None.
     """
 
     name: str
@@ -45,20 +52,31 @@ class RateLimitWindow:
     window_s: int | None
     remaining: int | None
     reset_s: int | None
+    credit: int | None = None
+
+    @property
+    def quota_remaining(self) -> int | None:
+        """Tokens left of the window's own quota (``remaining`` less the credit)."""
+        if self.remaining is None:
+            return None
+        return max(0, self.remaining - (self.credit or 0))
 
     @property
     def used(self) -> int | None:
-        """Tokens spent in the window, when both ``limit`` and ``remaining`` are known."""
-        if self.limit is None or self.remaining is None:
+        """Tokens of the quota spent in the window, when ``limit`` and ``remaining`` are
+        known."""
+        left = self.quota_remaining
+        if self.limit is None or left is None:
             return None
-        return max(0, self.limit - self.remaining)
+        return max(0, self.limit - left)
 
     @property
     def fraction_left(self) -> float | None:
-        """``remaining / limit`` (0.0 to 1.0) for a budget bar, when both are known."""
-        if not self.limit or self.remaining is None:
+        """``quota_remaining / limit`` (0.0 to 1.0) for a budget bar, when both are known."""
+        left = self.quota_remaining
+        if not self.limit or left is None:
             return None
-        return max(0.0, min(1.0, self.remaining / self.limit))
+        return max(0.0, min(1.0, left / self.limit))
 
 
 @dataclass(frozen=True)
@@ -77,9 +95,15 @@ class RateLimitStatus:
 
     @property
     def remaining(self) -> int | None:
-        """What the next call can spend: the least ``remaining`` of every window."""
+        """What the next call may spend, credit included: the least ``remaining`` of every
+        window (the quota's counts the credit, which pays beyond it)."""
         known = [w.remaining for w in self.windows if w.remaining is not None]
         return min(known) if known else None
+
+    @property
+    def credit(self) -> int | None:
+        """The live credit the answer reported (``atto-credit``), or None."""
+        return next((w.credit for w in self.windows if w.credit is not None), None)
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> RateLimitStatus | None:
@@ -103,7 +127,8 @@ class RateLimitStatus:
             p, s = policies.get(name, {}), statuses.get(name, {})
             windows.append(RateLimitWindow(
                 name=name, limit=_as_int(p.get("q")), window_s=_as_int(p.get("w")),
-                remaining=_as_int(s.get("r")), reset_s=_as_int(s.get("t"))))
+                remaining=_as_int(s.get("r")), reset_s=_as_int(s.get("t")),
+                credit=_as_int(s.get(CREDIT_PARAM))))
         return cls(windows=tuple(windows))
 
 

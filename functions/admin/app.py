@@ -188,6 +188,8 @@ def picture_out(p: Picture) -> dict[str, Any]:
                              for limit, seconds in p.plan.windows]},
         "override": None if override is None else {"plan": override.plan,
                                                     **_change(override.change)},
+        "last_charged": None if p.last_charge is None else {
+            "plan": p.last_charge[1], "at": iso(p.last_charge[0])},
         "windows": [{"limit": w.limit, "used": w.used, "remaining": w.remaining,
                      "window_s": int(w.window_s),
                      "resets_at": iso(w.resets_at_ms) if w.used else None}

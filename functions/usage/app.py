@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from usage_limits.entitlements import Plan, iso
 from usage_limits.web import create_app, current_user, lambda_handler
-from usage_limits.web.guard import current_plan, read_usage
+from usage_limits.web.guard import current_plan, read_history, read_usage
 from usage_limits.web.identity import shown_id
 from usage_limits.web.statement import StatementOut, read_statement
 
@@ -74,6 +74,22 @@ class GrantOut(BaseModel):
     expires_at: str | None = Field(description="RFC 3339, UTC; null when it never expires.")
 
 
+class EndedGrantOut(BaseModel):
+    reference: str
+    kind: str = Field(description="paid or promo.")
+    tokens: int = Field(description="Tokens granted.")
+    ended: str = Field(description="expired or voided.")
+    ended_at: str = Field(description="When it expired or was voided (RFC 3339, UTC).")
+    forfeited: int = Field(description="Tokens unused when it ended: lost, never drawn.")
+
+
+class RefundOut(BaseModel):
+    request_id: str = Field(description="The refunded charge's id, as X-Request-Id showed "
+                                        "it.")
+    tokens: int | None = Field(description="Tokens given back (null while in progress).")
+    refunded_at: str = Field(description="When support refunded it (RFC 3339, UTC).")
+
+
 class UsageOut(BaseModel):
     user_id: str
     plan: str = Field(description="The name of the caller's plan.")
@@ -83,7 +99,16 @@ class UsageOut(BaseModel):
         default_factory=list,
         description="Live credit grants, in the order they are drawn: what a request that "
                     "does not fit the plan's longest window (its included quota) draws.")
+    ended_grants: list[EndedGrantOut] = Field(
+        default_factory=list,
+        description="Grants that expired or were voided in the last 30 days, most recent "
+                    "first, with the tokens forfeited (unused credit is lost when a grant "
+                    "ends).")
     events: list[SpendEventOut] = Field(description="Most recent charges first.")
+    refunded: list[RefundOut] = Field(
+        default_factory=list,
+        description="Charges support refunded in the last 30 days, most recent first (they "
+                    "leave events).")
     prices: dict[str, int | str] = Field(
         description="Tokens per route (0 for a free one): a number, or the rule of a route "
                     "priced by the size of its request (e.g. \"1 per started 8,000 "
@@ -96,6 +121,7 @@ async def usage(plan: Annotated[Plan, Depends(current_plan)],
     """What the caller has spent, what is left, the credit grants, and what each route
     costs."""
     report, used = await read_usage(user, plan)
+    ended, refunded = await read_history(user)
     grants = [GrantOut(reference=g.reference, kind=g.kind, remaining=g.remaining,
                        tokens=g.tokens, expires_at=iso(g.expires_at_ms))
               for g in report.grants]
@@ -112,6 +138,14 @@ async def usage(plan: Annotated[Plan, Depends(current_plan)],
                               draws=[DrawOut(reference=r, tokens=n)
                                      for r, n in e.draws])
                 for e in report.events],
+        ended_grants=[EndedGrantOut(
+            reference=g.reference, kind=g.kind, tokens=g.tokens,
+            ended="voided" if g.voided else "expired",
+            ended_at=iso(g.voided.at_ms if g.voided else g.expires_at_ms) or "",
+            forfeited=g.forfeited if g.forfeited is not None else g.tokens - g.consumed)
+            for g in ended],
+        refunded=[RefundOut(request_id=shown_id(r.request_id), tokens=r.tokens,
+                            refunded_at=iso(r.change.at_ms) or "") for r in refunded],
         prices=PRICES,
     )
 

@@ -394,3 +394,23 @@ def test_exports_are_importable() -> None:
         assert hasattr(atto_cloud_client, name), name
     source = Path(atto_cloud_client.__file__).read_text()
     assert "testing" not in re.findall(r"^from \.(\w+)", source, re.M)
+
+
+def test_every_metered_answer_reports_the_credit_and_what_may_be_spent() -> None:
+    """An answer whose quota item counts 484 of credit (atto-credit) sets ``client.credit``
+    and a ``rate_limit.remaining`` that includes it, while ``used`` and ``fraction_left``
+    stay of the quota itself."""
+    api, time = MockApi(), FakeTime()
+    atto = client(api, time)
+    api.queue(STRUCTURED, httpx.Response(200, json={"data": "x", "model": "m", "usage": {
+        "prompt_tokens": 1, "completion_tokens": 1}},
+                                         headers={
+        "RateLimit-Policy": '"1h";q=100;w=3600;atto-qu="tokens", '
+                            '"30d";q=24;w=2592000;atto-qu="tokens"',
+        "RateLimit": '"1h";r=68;t=3599, "30d";r=484;t=2591999;atto-credit=484'}))
+    atto.structured("x", {})
+    assert atto.credit is not None and atto.credit.remaining == 484
+    assert atto.rate_limit.remaining == 68 and atto.rate_limit.credit == 484
+    quota = atto.rate_limit.window("30d")
+    assert (quota.remaining, quota.credit, quota.quota_remaining, quota.used) == (484, 484, 0, 24)
+    assert quota.fraction_left == 0.0

@@ -2,7 +2,8 @@
 
 Hypothesis drives random sequences of grant loads (new grants of either kind, with and
 without expiry, voids), reservations that draw or not (and re-sends of the last one),
-refunds and settles (which give credit back or not), plan changes (so the quota window
+refunds and settles (which give credit back or not), costs above the quota (credit pays
+beyond it) and above a shorter window (refused), plan changes (so the quota window
 moves) and clock moves past grant expiries and window boundaries. After every step the
 windows (the quota counting t - d), the spend events with their draws, and the live grants
 equal ``GrantModel``'s; every reservation's status, draws, credit, epoch and Retry-After do
@@ -15,6 +16,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -95,16 +97,15 @@ class GrantsMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ reservations
     def _reserve(self, rid: str, cost: int, nonce: str, now: int, plan: list[Window]) -> None:
         self.last = (rid, cost, nonce, now, plan)
-        if cost > min(w.limit for w in plan):
-            try:
+        want = self.model.reserve_entitled(rid, cost, "", nonce, now, plan)
+        if want.status == "too_big":  # a shorter window's limit, or short credit
+            with pytest.raises(CostExceedsLimit) as refused:
                 self.run(self.budget.reserve(self.user, rid, cost, windows=plan, now_ms=now,
                                              nonce=nonce))
-            except CostExceedsLimit:
-                return
-            raise AssertionError("a cost above a window's limit must raise CostExceedsLimit")
+            assert refused.value.credit == want.credit
+            return
         d = self.run(self.budget.reserve(self.user, rid, cost, windows=plan, now_ms=now,
                                          nonce=nonce))
-        want = self.model.reserve_entitled(rid, cost, "", nonce, now, plan)
         assert (d.status, round(d.retry_after_s * 1000)) == (want.status, want.retry_after_ms)
         assert tuple(w.used for w in d.windows) == want.used
         assert (d.draws, d.drawn, d.credit, d.epoch) == (
@@ -112,9 +113,10 @@ class GrantsMachine(RuleBasedStateMachine):
         if rid in self.model.events:
             self.nonces[rid] = self.model.events[rid].nonce
 
-    @rule(cost=st.integers(1, 12))
+    @rule(cost=st.integers(1, 12) | st.integers(13, 40))
     def reserve_new(self, cost: int) -> None:
-        """A reservation of a new id (draws when it exceeds the quota)."""
+        """A reservation of a new id (draws when it exceeds the quota; a cost above the
+        quota itself is paid by credit beyond it, above a shorter window is refused)."""
         rid = f"r{len(self.ids)}"
         self.ids.append(rid)
         self._reserve(rid, cost, new_nonce(), self.now, self.plan)

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+import http_sf
 import pytest
 import redis
+from atto_cloud_client.ratelimit import RateLimitStatus
 from moto import mock_aws
 
 from local.emulator import EmulatorProcess
@@ -139,7 +141,8 @@ def test_plan_resolution_override_claim_default_and_unknown_claim(env: Any) -> N
     res = invoke(embeddings.handler, _claims(http_event(
         "POST", "/v1/embeddings", body={"input": ["x"]}, user=user), "[free]"))
     assert res.status == 200
-    assert res.headers["ratelimit-policy"] == '"1h";q=60;w=3600, "30d";q=2000;w=2592000'
+    assert res.headers["ratelimit-policy"] == ('"1h";q=60;w=3600;atto-qu="tokens", '
+                                                 '"30d";q=2000;w=2592000;atto-qu="tokens"')
     op("DELETE", f"/admin/v1/users/{user}/plan", {"reason": "ended"})
     assert usage(user, "[free]").body["plan"] == "free"
     assert usage(user, "[platinum]").body["plan"] == "free"
@@ -445,3 +448,167 @@ def test_a_cost_the_override_can_never_fit_names_the_overrides_window(env: Any) 
     assert res.status == 422 and res.body["error"]["code"] == "cost_exceeds_plan"
     assert (res.body["error"]["limit"], res.body["error"]["window_s"]) == (5, 3600)
     assert [w["used"] for w in usage(user, "[pro]").body["windows"]] == [0, 0]
+
+
+def structured(user: str, groups: str | None = None) -> Result:
+    """One structured request (8 tokens)."""
+    event = _claims(http_event("POST", "/v1/structured", user=user, body={
+        "prompt": "x", "schema": {"type": "string"}}), groups)
+    return invoke(importlib.import_module("functions.structured.app").handler, event)
+
+
+def test_credit_pays_the_part_of_a_request_beyond_the_quota(env: Any) -> None:
+    """On free (a quota of 4 a month) a structured request of 8 tokens is served with 484
+    of credit: the quota pays 4, the grant the other 4, in Redis and DynamoDB alike."""
+    user = uuid.uuid4().hex
+    grant(user, "inv_big", 484)
+    res = structured(user)
+    assert res.status == 200, res.body
+    assert remaining(user) == {"inv_big": 480} and consumed(user) == {"inv_big": 4}
+    assert [w["used"] for w in usage(user).body["windows"]] == [8, 4]
+    again = structured(user)  # the quota is full now: credit pays all 8
+    assert again.status == 200 and remaining(user) == {"inv_big": 472}
+
+
+def test_a_cost_above_the_quota_without_enough_credit_says_what_credit_would_do(
+        env: Any) -> None:
+    """With 3 tokens of credit an 8-token request on free (quota 4) is 422 naming the credit
+    it needs (4) and has (3), and nothing is charged or drawn."""
+    user = uuid.uuid4().hex
+    grant(user, "inv_small", 3)
+    res = structured(user)
+    assert res.status == 422 and res.body["error"]["code"] == "cost_exceeds_plan"
+    err = res.body["error"]
+    assert (err["limit"], err["window_s"], err["credit"], err["credit_needed"]) == (
+        4, 2592000, 3, 4)
+    assert "more credit would let it be served" in err["message"]
+    assert remaining(user) == {"inv_small": 3}
+    assert [w["used"] for w in usage(user).body["windows"]] == [0, 0]
+
+
+def test_a_cost_above_a_shorter_window_says_credit_cannot_pay(env: Any) -> None:
+    """On mini (5 an hour) an 8-token request is 422 whatever the credit: the message says
+    credit pays only beyond the quota, and the body names no credit needed."""
+    user = uuid.uuid4().hex
+    grant(user, "inv_mini", 500)
+    res = structured(user, "[mini]")
+    err = res.body["error"]
+    assert res.status == 422 and (err["limit"], err["window_s"]) == (5, 3600)
+    assert "credit cannot pay for it" in err["message"] and "credit_needed" not in err
+    assert remaining(user) == {"inv_mini": 500}
+
+
+def test_a_full_quota_with_short_credit_is_429_saying_so(env: Any) -> None:
+    """With the quota spent and 5 tokens of credit, an 8-token request is 429 whose message
+    says the credit does not cover it, and whose wait frees the 3 quota tokens it lacks."""
+    user = uuid.uuid4().hex
+    assert embed(user, 4) == [200] * 4  # the quota of 4, spent
+    grant(user, "inv_five", 5)
+    res = structured(user)
+    assert res.status == 429 and res.body["error"]["credit"] == 5
+    assert "your credit (5 tokens) does not cover" in res.body["error"]["message"]
+    assert 29 * 86400 < res.body["error"]["retry_after_s"] <= 30 * 86400
+
+
+def ratelimit_fields(res: Result) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The answer's RateLimit-Policy and RateLimit fields, parsed by an RFC 9651 parser
+    (which raises on a malformed field): {item: parameters} of each."""
+    policy = http_sf.parse(res.headers["ratelimit-policy"].encode(), tltype="list")
+    status = http_sf.parse(res.headers["ratelimit"].encode(), tltype="list")
+    return ({name: params for name, params in policy},  # type: ignore[misc]
+            {name: params for name, params in status})  # type: ignore[misc]
+
+
+def test_every_answer_says_what_the_next_call_may_spend_credit_included(env: Any) -> None:
+    """On free (4 a month) with 484 of credit and the quota spent, a 200 tells what the next
+    call may spend: the quota's r counts the credit, atto-credit gives it alone, every item
+    is well-formed Structured Fields in token units, and the client reads the same."""
+    user = uuid.uuid4().hex
+    grant(user, "inv_484", 484)
+    assert embed(user, 4) == [200] * 4  # the quota, spent
+    res = embed_one(user)  # drawn from credit
+    assert res.status == 200
+    policy, status = ratelimit_fields(res)
+    assert policy == {"1h": {"q": 40, "w": 3600, "atto-qu": "tokens"},
+                      "30d": {"q": 4, "w": 2592000, "atto-qu": "tokens"}}
+    assert status["1h"]["r"] == 35
+    assert (status["30d"]["r"], status["30d"]["atto-credit"]) == (483, 483)
+    assert "qu" not in policy["30d"]  # a unit the registry lacks is not put in qu
+    seen = RateLimitStatus.from_headers(res.headers)
+    assert seen is not None and (seen.remaining, seen.credit) == (35, 483)
+    assert seen.window("30d") is not None and seen.window("30d").used == 4  # type: ignore[union-attr]
+
+
+def test_headers_of_a_user_without_grants_say_credit_0(env: Any) -> None:
+    """A user with no grant gets atto-credit=0 on the quota's item; its r is the quota's."""
+    user = uuid.uuid4().hex
+    res = embed_one(user)
+    assert res.status == 200
+    _, status = ratelimit_fields(res)
+    assert (status["30d"]["r"], status["30d"]["atto-credit"]) == (3, 0)
+    assert "atto-credit" not in status["1h"]
+
+
+def test_a_failed_drawing_request_shows_the_credit_given_back(
+        env: Any, emulator: EmulatorProcess) -> None:
+    """A request that drew 1 and failed (502) answers headers that count the refund: the
+    credit back to 10 and the quota's room unchanged."""
+    user = uuid.uuid4().hex
+    grant(user, "inv", 10)
+    assert embed(user, 4) == [200] * 4
+    emulator.fail_next(5, 500, family="llm")
+    res = embed_one(user)
+    assert res.status == 502
+    _, status = ratelimit_fields(res)
+    assert (status["30d"]["r"], status["30d"]["atto-credit"]) == (10, 10)
+    assert status["1h"]["r"] == 36
+
+
+def test_the_operator_view_shows_the_plan_last_charged_and_unknown_after_a_flush(
+        env: Any) -> None:
+    """A user on the claim's plan (pro) without an override: the admin picture shows the
+    default plan beside last_charged pro with its RFC 3339 time; after FLUSHALL it says
+    null (unknown) until the next charge."""
+    user = uuid.uuid4().hex
+    assert embed(user, 1, groups="[pro]") == [200]
+    picture = op("GET", f"/admin/v1/users/{user}").body
+    assert picture["plan"]["name"] == "free" and picture["override"] is None
+    assert picture["last_charged"]["plan"] == "pro"
+    assert picture["last_charged"]["at"].endswith("Z")
+    env.flushall()
+    assert op("GET", f"/admin/v1/users/{user}").body["last_charged"] is None
+    assert embed(user, 1, groups="[team]") == [200]
+    assert op("GET", f"/admin/v1/users/{user}").body["last_charged"]["plan"] == "team"
+
+
+def test_expired_and_voided_grants_and_refunds_leave_a_trace(
+        env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant that expires unused (its one drawn token refunded by support) shows in GET
+    /v1/usage as expired with 10 forfeited, its grant item gets expired_at and forfeited,
+    and exactly one Atto Credit Expired event is published however often it is read; a
+    voided grant shows as voided with what was left; the refund shows as refunded."""
+    from usage_limits.web import events
+
+    published: list[Any] = []
+    monkeypatch.setattr(events, "publish_soon", published.extend)
+    user = uuid.uuid4().hex
+    soon = datetime.now(UTC) + timedelta(seconds=1.5)
+    grant(user, "promo_soon", 10, kind="promo", expires_at=soon)
+    grant(user, "inv_void", 6)
+    assert embed(user, 4) == [200] * 4
+    assert embed_one(user, request_id="gw-paid").status == 200  # drawn from promo_soon
+    op("DELETE", f"/admin/v1/users/{user}/grants/inv_void", {"reason": "chargeback"})
+    op("POST", f"/admin/v1/users/{user}/refunds", {"request_id": "gw-paid", "reason": "x"})
+    time.sleep(max(0.0, (soon - datetime.now(UTC)).total_seconds()) + 0.2)
+    first = usage(user).body
+    again = usage(user).body
+    assert first["ended_grants"] == again["ended_grants"]
+    ended = {g["reference"]: g for g in first["ended_grants"]}
+    assert (ended["promo_soon"]["ended"], ended["promo_soon"]["forfeited"]) == ("expired", 10)
+    assert (ended["inv_void"]["ended"], ended["inv_void"]["forfeited"]) == ("voided", 6)
+    assert [r["tokens"] for r in first["refunded"]] == [1]
+    kept = store().grant(user, "promo_soon")
+    assert kept is not None and kept.forfeited == 10 and kept.expired_at_ms is not None
+    expired = [e for e in published if e.detail_type == "Atto Credit Expired"]
+    assert [(e.reference, e.forfeited, e.grant_kind) for e in expired] == [
+        ("promo_soon", 10, "promo")]

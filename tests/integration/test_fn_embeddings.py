@@ -67,7 +67,7 @@ def test_vectors_come_back_in_order_and_cost_1(env: EmulatorProcess) -> None:
            for row in data[1:]]
     assert dot[0] > dot[1]  # the two python roles are closer than the chef
     assert res.body["model"] and res.body["usage"]["prompt_tokens"] > 0
-    assert res.headers["ratelimit-policy"] == '"1h";q=100;w=3600'
+    assert res.headers["ratelimit-policy"] == '"1h";q=100;w=3600;atto-qu="tokens"'
     assert res.headers["ratelimit"].startswith('"1h";r=99;')
     assert used(user) == COST
     assert arrivals(env) == 1

@@ -164,3 +164,29 @@ def test_serve_starts_its_own_redis_and_emulator_and_stops_them() -> None:
     assert not RedisServer(redis_port).ping()
     with pytest.raises(httpx.HTTPError):
         httpx.get(emulator_url + "/_emulator/health", timeout=1)
+
+
+def test_serve_keeps_budgets_grants_and_audit_across_restarts(tmp_path: Path) -> None:
+    """With ATTO_LOCAL_DATA (make serve's .local), a charge, a grant and its audit entry
+    made before Ctrl-C are there after a restart on the same directory; another directory
+    starts empty."""
+    from tests.serving import serve
+
+    data = tmp_path / "local"
+    headers = {"X-Atto-User": "keeper", "X-Atto-Plan": "free"}
+    with serve({"ATTO_LOCAL_DATA": str(data)}) as first:
+        assert httpx.post(first.url + "/admin/v1/users/keeper/grants", timeout=30, json={
+            "tokens": 50, "kind": "paid", "reference": "inv_keep",
+            "reason": "kept"}).status_code == 201
+        assert httpx.post(first.url + "/v1/embeddings", json={"input": ["x"]},
+                          headers=headers, timeout=30).status_code == 200
+    assert (data / "dynamodb.json").is_file() and (data / "redis").is_dir()
+    with serve({"ATTO_LOCAL_DATA": str(data)}) as second:
+        usage = httpx.get(second.url + "/v1/usage", headers=headers, timeout=30).json()
+        assert [w["used"] for w in usage["windows"]] == [1, 1]
+        assert [g["reference"] for g in usage["grants"]] == ["inv_keep"]
+        audit = httpx.get(second.url + "/admin/v1/audit", timeout=30).json()
+        assert any(e.get("user_id") == "keeper" for e in audit["entries"]), audit
+    with serve({"ATTO_LOCAL_DATA": str(tmp_path / "other")}) as fresh:
+        usage = httpx.get(fresh.url + "/v1/usage", headers=headers, timeout=30).json()
+        assert usage["grants"] == [] and [w["used"] for w in usage["windows"]] == [0, 0]

@@ -119,7 +119,7 @@ def test_allowed_request_is_charged_and_carries_ratelimit_headers(web: Any) -> N
     user = uuid.uuid4().hex
     res = invoke(web, http_event("POST", "/ok", body={}, user=user))
     assert res.status == 200
-    assert res.headers["ratelimit-policy"] == '"1h";q=20;w=3600'
+    assert res.headers["ratelimit-policy"] == '"1h";q=20;w=3600;atto-qu="tokens"'
     assert res.headers["ratelimit"].startswith('"1h";r=15;t=')
     assert used(web, user) == 5
 
@@ -601,7 +601,7 @@ def test_replay_carries_the_users_current_ratelimit_headers(web: Any) -> None:
     replay = invoke(web, http_event("POST", "/ok", body={}, user=user,
                                     headers={"Idempotency-Key": key}))
     assert replay.status == 200 and replay.headers["idempotent-replayed"] == "true"
-    assert replay.headers["ratelimit-policy"] == '"1h";q=20;w=3600'
+    assert replay.headers["ratelimit-policy"] == '"1h";q=20;w=3600;atto-qu="tokens"'
     assert replay.headers["ratelimit"].startswith('"1h";r=10;')
     assert replay.body == first.body
     assert used(web, user) == 10 and calls == ["ok", "ok"]
@@ -647,7 +647,7 @@ def test_idempotency_conflicts_carry_ratelimit_headers(web: Any, conflict: str) 
                                      headers={"Idempotency-Key": key}))
         spent = 5
     assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
-    assert res.headers["ratelimit-policy"] == '"1h";q=20;w=3600'
+    assert res.headers["ratelimit-policy"] == '"1h";q=20;w=3600;atto-qu="tokens"'
     assert res.headers["ratelimit"].startswith(f'"1h";r={20 - spent};')
     assert used(web, user) == spent
 

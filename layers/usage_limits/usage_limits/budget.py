@@ -209,8 +209,9 @@ class Reservation:
             ``plan_name`` passed ('' when none).
         drawn: tokens of this charge drawn from grants (0 when none).
         draws: (reference, tokens) drawn, in draw order; a re-send reports the first run's.
-        credit: the live credit left after the call; None when it was not read (nothing
-            drawn and not rejected, or entitlements off).
+        credit: the live credit left after the call (a charge, a re-send, a rejection);
+            None when it was not read (a duplicate, a suspension, not loaded, or
+            entitlements off).
         epoch: the entitlements epoch the draws were made under (the one read when none
             were); 0 when entitlements are off or not loaded.
         suspended_until_ms: for ``suspended``, when it ends, ms (0 = until lifted).
@@ -379,6 +380,8 @@ class Usage:
         suspended_until_ms: end of a suspension in force, ms (0 = until lifted); None when
             not suspended.
         grants: the live grants, in draw order.
+        last_charge: (ms, plan name) of the user's last charge as the ledger recorded it
+            (entitlements on); None when unknown (none yet, or the cache lost it).
     """
 
     windows: tuple[WindowUsage, ...]
@@ -389,6 +392,7 @@ class Usage:
     epoch: int = 0
     suspended_until_ms: int | None = None
     grants: tuple[LiveGrant, ...] = ()
+    last_charge: tuple[int, str] | None = None
 
 
 class TokenBudget:
@@ -447,9 +451,10 @@ class TokenBudget:
         self._ent_args = (credit_low_percent, margin, self._catalog_arg)
         self._ent_arg: dict[str, bytes] = {}  # ARGV[9] of the reserve script, per plan name
         self._threshold_arg = self._thresholds[0] if self._thresholds else b""
-        #: the smallest limit a cost must fit in some plan (the scripts check the plan used)
+        #: the largest cost some plan could serve (the scripts check the plan used): with
+        #: entitlements on credit pays beyond the quota, so only shorter windows bound it
         self._any_plan_smallest = max(
-            [_plan_args(p)[0] for p in self.catalog.values()] + [self._default_args[0]])
+            [_plan_cap(p) for p in self.catalog.values()] + [_plan_cap(self.windows)])
         longest = max(w.ms for p in [self.windows, *self.catalog.values()] for w in p)
         #: how long ent outlives a load or invalidation by default, ms (as the other keys)
         self.ent_ttl_ms = longest + self.key_margin_ms + min(longest, 3_600_000)
@@ -822,11 +827,15 @@ class TokenBudget:
         smallest, tail = self._default_args if plan is self.windows else _plan_args(plan)
         # with entitlements on an override may change the plan: the script checks the plan
         # it uses, and only a cost no plan could admit is refused here
-        if cost > (max(smallest, self._any_plan_smallest) if self.entitlements else smallest):
+        cap = smallest
+        if self.entitlements:  # credit pays beyond the quota: shorter windows bound it
+            cap = self._any_plan_smallest if plan is self.windows else max(
+                self._any_plan_smallest, _plan_cap(plan))
+        if cost > cap:
             w = next(w for w in plan if cost > w.limit)
             raise CostExceedsLimit(
                 f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
-                cost=cost, limit=w.limit)
+                cost=cost, limit=w.limit, window_s=float(w.seconds))
         numbers = struct.pack("<3d", now, cost, self.key_margin_ms)
         record = f"{cost} {nonce} {route}"
         if not self.entitlements:
@@ -875,6 +884,12 @@ def _plan_args(plan: tuple[Window, ...]) -> tuple[int, tuple[bytes]]:
     length in ms and its limit, little-endian doubles), encoded once."""
     encoded = struct.pack(f"<{2 * len(plan)}d", *(v for w in plan for v in (w.ms, w.limit)))
     return min(w.limit for w in plan), (encoded,)
+
+
+def _plan_cap(plan: tuple[Window, ...]) -> int:
+    """The largest cost the plan can serve with credit: its shorter windows' smallest
+    limit (credit pays beyond the quota, the longest window), or MAX_TOKENS."""
+    return min((w.limit for w in plan[:-1]), default=MAX_TOKENS)
 
 
 def _plan_text(plan: tuple[Window, ...]) -> str:
@@ -1002,10 +1017,14 @@ def _decode_reservation(reply: list[Any], cost: int, plan: tuple[Window, ...],
         epoch, drawn, credit, susp, plan_name = head.split(" ", 4)
         plan = (catalog or {}).get(plan_name, plan)
         if status == _TOO_BIG:
-            w = plan[int(reply[2]) - 1]
+            at = int(reply[2])
+            w = plan[at - 1]
+            quota = at == len(plan)  # credit could pay beyond it, but is short
             raise CostExceedsLimit(
-                f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
-                cost=cost, limit=w.limit)
+                f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window"
+                + (f" and the credit {credit} is short of {cost - w.limit}" if quota else ""),
+                cost=cost, limit=w.limit, credit=int(credit) if quota else None,
+                window_s=float(w.seconds))
     counted = status in (_REJECTED, _CHARGED, _DUPLICATE)
     states = []
     least, tightest = -1, plan[0]  # when allowed, the window with least room binds
@@ -1086,7 +1105,8 @@ def _decode_usage(reply: list[Any], plan: tuple[Window, ...], *, plan_name: str 
                                  at_ms=int(float(_text(at_ms))), nonce=nonce, draws=draws))
     if not entitled:
         return Usage(windows=states, events=tuple(events), now_ms=now, plan_name=plan_name)
-    name, epoch, susp, flat = reply[1]
+    name, epoch, susp, flat, last = reply[1]
+    at, _, charged_plan = _text(last).partition(" ")
     grants = tuple(
         LiveGrant(reference=_text(flat[i]), remaining=int(flat[i + 1]),
                   tokens=int(flat[i + 2]), expires_at_ms=int(flat[i + 3]) or None,
@@ -1094,4 +1114,5 @@ def _decode_usage(reply: list[Any], plan: tuple[Window, ...], *, plan_name: str 
         for i in range(0, len(flat) - 4, 5))
     return Usage(windows=states, events=tuple(events), now_ms=now, plan_name=_text(name),
                  loaded=int(epoch) > 0, epoch=int(epoch),
-                 suspended_until_ms=None if int(susp) < 0 else int(susp), grants=grants)
+                 suspended_until_ms=None if int(susp) < 0 else int(susp), grants=grants,
+                 last_charge=(int(at), charged_plan) if at else None)

@@ -22,12 +22,24 @@ class InvalidArgument(UsageLimitError, ValueError):
 
 
 class CostExceedsLimit(InvalidArgument):
-    """The cost is larger than a window's limit (or a bucket's burst): it can never fit."""
+    """The cost is larger than a window's limit (or a bucket's burst): it can never fit.
 
-    def __init__(self, message: str, *, cost: float, limit: float) -> None:
+    Attributes:
+        cost: the cost asked for.
+        limit: the limit of the window (or bucket) it exceeds.
+        credit: with entitlements on, when the window is the plan's quota (credit pays the
+            part beyond it): the user's live credit, short of ``cost - limit``; else None
+            (credit cannot help: a shorter window, or entitlements off).
+        window_s: that window's length, seconds, when known.
+    """
+
+    def __init__(self, message: str, *, cost: float, limit: float,
+                 credit: int | None = None, window_s: float | None = None) -> None:
         super().__init__(message)
         self.cost = cost
         self.limit = limit
+        self.credit = credit
+        self.window_s = window_s
 
 
 class LimiterUnavailable(UsageLimitError):

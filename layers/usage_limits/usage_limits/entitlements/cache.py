@@ -33,15 +33,16 @@ Store calls are blocking boto3 calls, run in a thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..exceptions import LimiterUnavailable
 from .exceptions import StoreUnavailable
-from .models import Grant, UserEntitlements
+from .models import Grant, SupportRefund, UserEntitlements
 
 if TYPE_CHECKING:
     from ..budget import Crossing, LiveGrant, Lowered, Reservation, TokenBudget, Usage
@@ -52,6 +53,8 @@ log = logging.getLogger("usage_limits.entitlements")
 #: Loads of one user's copy a single request may make before it gives up (503): one
 #: normally; more only while operator changes keep invalidating the copy it loads.
 MAX_LOADS = 3
+#: How far back ``history`` (GET /v1/usage) lists ended grants and support refunds, s.
+RECENT_S = 30 * 86400.0
 #: Times one draw is moved onto a newer copy before the request gives up (503): each
 #: needs a load or an operator change to land between the draw and its record.
 MAX_REBASES = 6
@@ -132,6 +135,10 @@ class EntitlementCache:
             renews it like the ledger's other keys); None: the ledger's default, as long as
             its other keys.
         max_loads: loads one call may make (``MAX_LOADS``).
+
+    Attributes:
+        on_forfeit: called with (user id, grants) for the grants a load or read recorded
+            as expired with tokens unused (``forfeit_expired``); None: nobody is told.
     """
 
     def __init__(self, store: EntitlementStore, *, ttl_s: float | None = None,
@@ -139,6 +146,7 @@ class EntitlementCache:
         self.store = store
         self.ttl_s = ttl_s
         self.max_loads = max_loads
+        self.on_forfeit: Callable[[str, list[Grant]], None] | None = None
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -163,6 +171,7 @@ class EntitlementCache:
         epoch: int = await self._run(self.store.bump_epoch, user_id)
         record: UserEntitlements = await self._run(self.store.load, user_id)
         now = int(time.time() * 1000) if now_ms is None else now_ms
+        await self.forfeit_expired(user_id, record, now)
         low, margin = budget.credit_levels
         written: bool = await budget.load_entitlements(
             user_id, epoch=epoch, plan=record.override.plan if record.override else None,
@@ -170,6 +179,67 @@ class EntitlementCache:
             grants=live_grants(record, now, low_percent=low, margin=margin),
             ttl_s=self.ttl_s, marked=True)
         return written
+
+    async def forfeit_expired(self, user_id: str, record: UserEntitlements,
+                              now_ms: int) -> list[Grant]:
+        """Record each grant of ``record`` that has expired with tokens unused (once per
+        grant: ``store.mark_expired``) and hand the ones this call recorded to
+        ``on_forfeit`` (the web layer publishes ``Atto Credit Expired``).
+
+        A failure to record is logged and left for the next load or read: it never fails
+        the load or the request.
+
+        Returns:
+            The grants this call recorded, as read (``remaining`` = tokens forfeited).
+        """
+        due = [g for g in record.grants
+               if g.expired_at_ms is None and g.voided is None and g.remaining > 0
+               and g.expires_at_ms is not None and g.expires_at_ms <= now_ms]
+        marked: list[Grant] = []
+        for grant in due:
+            try:
+                if await self._run(self.store.mark_expired, user_id, grant, now_ms=now_ms):
+                    marked.append(grant)
+            except StoreUnavailable:
+                logging.getLogger(__name__).warning(
+                    "could not record an expired grant; the next load or read will")
+        if marked and self.on_forfeit is not None:
+            self.on_forfeit(user_id, marked)
+        return marked
+
+    async def history(self, user_id: str, *, now_ms: int | None = None,
+                      recent_s: float = RECENT_S) -> tuple[list[Grant], list[SupportRefund]]:
+        """The user's grants that ended (expired or voided) and support refunds made
+        within ``recent_s``, from DynamoDB (two strongly consistent queries); a grant seen
+        expired with tokens unused is recorded on the way (``forfeit_expired``).
+
+        Returns:
+            The ended grants, as recorded (``forfeited`` set on an expired one recorded
+            now or before), most recently ended first; the refunds, most recent first.
+
+        Raises:
+            StoreUnavailable: DynamoDB failed.
+        """
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        since = now - int(recent_s * 1000)
+        record: UserEntitlements = await self._run(self.store.load, user_id)
+        marked = {g.reference for g in await self.forfeit_expired(user_id, record, now)}
+        ended: list[tuple[int, Grant]] = []
+        for g in record.grants:
+            if g.voided is not None:
+                at = g.voided.at_ms
+            elif g.expires_at_ms is not None and g.expires_at_ms <= now:
+                at = g.expires_at_ms
+                if g.reference in marked:  # as the store now holds it
+                    g = dataclasses.replace(g, expired_at_ms=now, forfeited=g.remaining)
+            else:
+                continue
+            if at >= since:
+                ended.append((at, g))
+        refunds = [r for r in await self._run(self.store.support_refunds, user_id)
+                   if r.change.at_ms >= since]
+        return ([g for _, g in sorted(ended, key=lambda e: e[0], reverse=True)],
+                sorted(refunds, key=lambda r: r.change.at_ms, reverse=True))
 
     async def reserve(self, budget: TokenBudget, user_id: str, request_id: str, cost: int,
                       **kwargs: Any) -> Reservation:

@@ -134,6 +134,9 @@ class Grant:
         reported: the once-only credit reports a draw from it has made: ``l`` (low),
             ``x`` (exhausted), kept with the grant so that a reload of the cache does not
             make them again (``cache.reported_flags`` decides whether one is re-armed).
+        expired_at_ms: when a load or read first saw it expired with tokens unused (and
+            reported so, once); None until then.
+        forfeited: the unused tokens it ended with at expiry (set with ``expired_at_ms``).
     """
 
     reference: str
@@ -144,6 +147,8 @@ class Grant:
     created: Change
     voided: Change | None = None
     reported: str = ""
+    expired_at_ms: int | None = None
+    forfeited: int | None = None
 
     @property
     def remaining(self) -> int:

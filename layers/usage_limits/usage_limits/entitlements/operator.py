@@ -48,6 +48,9 @@ class Picture:
         windows: the plan's windows and what each holds now.
         events: the most recent charges, most recent first.
         now_ms: the time the picture was taken, ms since the epoch.
+        last_charge: (ms, plan name) of the user's last charge, as the ledger recorded it
+            (the plan it was really charged under, a JWT claim's included); None when
+            unknown (no charge yet, or the cache lost it).
     """
 
     user_id: str
@@ -57,6 +60,7 @@ class Picture:
     windows: tuple[WindowUsage, ...]
     events: tuple[SpendEvent, ...]
     now_ms: int
+    last_charge: tuple[int, str] | None = None
 
 
 class Operator:
@@ -114,7 +118,7 @@ class Operator:
                    for limit, seconds in resolved.plan.windows]
         usage = await self.budget.usage(user_id, windows=windows, events=PICTURE_EVENTS)
         return Picture(user_id, resolved.plan, resolved.source, record, usage.windows,
-                       usage.events, usage.now_ms)
+                       usage.events, usage.now_ms, usage.last_charge)
 
     async def set_plan(self, user_id: str, plan: str, *, actor: str,
                        reason: str) -> PlanOverride:

@@ -5,7 +5,8 @@ One table, on-demand, point-in-time recovery on (template.yaml ``EntitlementsTab
     pk          sk                         item
     U#<user>    E#PLAN                     the plan override
     U#<user>    E#SUSP                     the suspension
-    U#<user>    E#G#<reference>            a grant (tokens, consumed, kind, expiry, voided)
+    U#<user>    E#G#<reference>            a grant (tokens, consumed, kind, expiry, voided;
+                                           expired_at, forfeited once seen expired unused)
     U#<user>    E#LOAD                     the load epoch: raised by every load of the cache
                                            and every operator change
     U#<user>    C#<request id>#<nonce>     one charge's credit: drawn, returned, forfeited
@@ -216,7 +217,17 @@ def _grant(item: Mapping[str, Any]) -> Grant:
                  expires_at_ms=None if expires is None else int(expires),
                  created=_change(item),
                  voided=_change(item, "void_") if "void_at" in item else None,
-                 reported="".join(f for f, attr in _FLAG_ATTRS.items() if attr in item))
+                 reported="".join(f for f, attr in _FLAG_ATTRS.items() if attr in item),
+                 expired_at_ms=int(item["expired_at"]) if "expired_at" in item else None,
+                 forfeited=int(item["forfeited"]) if "forfeited" in item else None)
+
+
+def _support_refund(request_id: str, item: Mapping[str, Any]) -> SupportRefund:
+    tokens = item.get("tokens")
+    return SupportRefund(request_id, int(item.get("claimed", 0)),
+                         None if tokens is None else int(tokens), _change(item),
+                         str(item.get("nonce", "")), decode_pairs(item.get("credit")),
+                         decode_pairs(item.get("lost")))
 
 
 def _suspension(item: Mapping[str, Any]) -> Suspension:
@@ -476,6 +487,40 @@ class EntitlementStore:
         if grant is None:
             raise NotFound(f"the user has no grant with reference {reference!r}")
         return grant, done
+
+    def mark_expired(self, user_id: str, grant: Grant, *, now_ms: int) -> bool:
+        """Record, once, that ``grant`` expired with tokens unused: ``expired_at`` (ms) and
+        ``forfeited`` (its remaining tokens) on the grant item.
+
+        The write is conditioned on the grant as read (not voided, expired by ``now_ms``,
+        ``consumed`` unchanged) and on no ``expired_at`` yet, so of all the loads and reads
+        that see it expired exactly one records it and reports it.
+
+        Returns:
+            True when this call recorded it; False when it was recorded already, or the
+            grant changed since it was read (a later read records it).
+
+        Raises:
+            StoreUnavailable: DynamoDB failed.
+        """
+        from botocore.exceptions import ClientError
+
+        if grant.expires_at_ms is None or grant.expires_at_ms > now_ms or grant.voided:
+            return False
+        key = {"pk": _pk(user_id), "sk": _GRANT + check_reference(grant.reference)}
+        try:
+            self._call(self.client.update_item, TableName=self.table, Key=self._ser(key),
+                       ConditionExpression="attribute_exists(pk) AND "
+                                           "attribute_not_exists(expired_at) AND "
+                                           "attribute_not_exists(void_at) AND "
+                                           "expires_at <= :t AND #c = :c",
+                       UpdateExpression="SET expired_at = :t, forfeited = :f",
+                       ExpressionAttributeNames={"#c": "consumed"},  # a reserved word
+                       ExpressionAttributeValues=self._ser(
+                           {":t": now_ms, ":c": grant.consumed, ":f": grant.remaining}))
+        except ClientError:  # the condition failed: recorded already, or changed
+            return False
+        return True
 
     # --- suspension -------------------------------------------------------------------------
 
@@ -772,13 +817,12 @@ class EntitlementStore:
     def support_refund(self, user_id: str, request_id: str) -> SupportRefund | None:
         """The support refund of this charge, if one was made."""
         item = self._get(user_id, _REFUND + _check_request_id(request_id))
-        if item is None:
-            return None
-        tokens = item.get("tokens")
-        return SupportRefund(request_id, int(item.get("claimed", 0)),
-                             None if tokens is None else int(tokens), _change(item),
-                             str(item.get("nonce", "")), decode_pairs(item.get("credit")),
-                             decode_pairs(item.get("lost")))
+        return None if item is None else _support_refund(request_id, item)
+
+    def support_refunds(self, user_id: str) -> list[SupportRefund]:
+        """Every support refund of the user's charges, oldest request id first."""
+        return [_support_refund(str(item["sk"])[len(_REFUND):], item)
+                for item in self._query_prefix(user_id, _REFUND)]
 
     def refund_charge(self, user_id: str, request_id: str, nonce: str, *, tokens: int,
                       actor: str, reason: str, now_ms: int | None = None,

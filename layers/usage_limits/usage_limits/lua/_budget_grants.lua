@@ -4,7 +4,8 @@ pastes it where a script says `--#include _budget_grants.lua`.
 
 ent (hash): epoch (load epoch; its presence means "loaded"), want (only on an invalidated ent:
 the least epoch the next load must have), plan (an operator's plan override), susp (suspension
-end, ms; 0 = until lifted), and per live grant g:<reference> =
+end, ms; 0 = until lifted), ng (the number of grants the load wrote; absent in a copy loaded
+before it existed), and per live grant g:<reference> =
 "<remaining> <expires_ms or 0> <kind> <created_ms> <tokens>[ <flags>]", kind promo|paid, flags
 a subset of "l" (low credit reported) and "x" (exhausted reported).
 dr (hash): request id -> "#<epoch> <ref>=<n> <ref>=<n>", the draws of that charge in draw

@@ -12,7 +12,7 @@ is gone by now was lost with the cache (FLUSHALL, a failover that dropped the la
 while the load ran, and with it any invalidation that an operator change made meanwhile:
 the load is refused, and the caller loads again.
 
-KEYS[1]  ent         hash: epoch, want, plan, susp, g:<reference> (see _budget_grants.lua)
+KEYS[1]  ent         hash: epoch, want, plan, susp, ng, g:<reference> (_budget_grants.lua)
 ARGV[1]  epoch       this load's epoch (integer >= 1)
 ARGV[2]  ttl_ms      expiry of ent, ms (integer >= 1)
 ARGV[3]  plan        the operator's plan override; '' = none
@@ -56,6 +56,7 @@ if susp ~= '' then
   fields[#fields + 1] = 'susp'
   fields[#fields + 1] = susp
 end
+local ng = 0  -- the number of grants: a reservation of a user with none knows credit is 0
 for line in string.gmatch(grants, '[^\n]+') do
   local ref, rem, exp, kind, created, tokens, flags = string.match(
     line, '^(%S+) (%d+) (%d+) (%a+) (%d+) (%d+) ?(%a*)$')
@@ -64,8 +65,11 @@ for line in string.gmatch(grants, '[^\n]+') do
                created = tonumber(created), tokens = tonumber(tokens), flags = flags}
     fields[#fields + 1] = 'g:' .. ref
     fields[#fields + 1] = G.more().grant_value(g)
+    ng = ng + 1
   end
 end
+fields[#fields + 1] = 'ng'
+fields[#fields + 1] = string.format('%d', ng)
 redis.call('DEL', ent_key)
 redis.call('HSET', ent_key, unpack(fields))
 redis.call('PEXPIRE', ent_key, ttl_ms)

@@ -10,7 +10,8 @@ KEYS[2]  ev          hash: request id -> "<cost> <nonce> <route>" (cost in token
 KEYS[3]  meta        hash: m, the key's clock (it never runs back) and per window a running
                      total, a cursor (every event scored <= it is out of the total) and the
                      oldest event counted, so that most calls read no range of the log
-                     (_budget_meta.lua)
+                     (_budget_meta.lua); with entitlements on also lp, "<ms> <plan name>"
+                     of the last charge (what the operator's view shows)
 ARGV[1]  numbers     now_ms, cost and margin_ms as three little-endian doubles (struct '<ddd'):
                        now_ms     caller's clock, ms since the epoch (integer)
                        cost       tokens to charge (integer >= 1)
@@ -48,7 +49,9 @@ The plan's longest window is the quota Q; meta keeps d:<W>, tokens drawn from gr
 events window W counts, and the quota's used is t:<Q> - d:<Q>. A charge that fits every
 shorter window (full cost) but needs need = used + cost - Q > 0 tokens over the quota draws
 min(need, cost) from the live grants (draw order in _budget_grants.lua), or is rejected when
-their credit is short. Each grant drawn reports crossing "low" (remaining from > low% of its
+their credit is short. A cost above Q itself is served the same way (credit pays at least
+cost - Q); while credit is short of cost - Q it is answered 5, as waiting cannot help, and
+otherwise a rejection waits until the quota frees need - credit tokens. Each grant drawn reports crossing "low" (remaining from > low% of its
 tokens to <= low%) and "exhausted" (remaining 0) once.
 
 Run twice with the same arguments (redis-py re-sends a call whose reply was lost): the second
@@ -60,7 +63,9 @@ Returns {status, retry_after_ms, binding, then per plan window: used, resets_at_
                   2 duplicate: the id was charged by another call, nothing charged now;
                   0 rejected: some window lacks room, nothing charged;
                   entitlements on only: 3 suspended, 4 not loaded (ent has no epoch),
-                  5 cost above a window's limit of the plan used (binding names it);
+                  5 cost above a window's limit of the plan used (binding names it):
+                    a shorter window's, or the quota's when the live credit (reported)
+                    is short of the part beyond the quota, cost - Q;
                   nothing is charged, advanced or written for 3, 4 and 5; a re-send of
                   a call that charged is answered as that charge (1) instead
   retry_after_ms  0 unless rejected; else ms until enough of the oldest events have left
@@ -72,7 +77,8 @@ then, when this call charged and crossed thresholds, per crossing: window positi
   ent             one string (one reply element costs the client less than a nested one):
                   "<epoch> <drawn> <credit> <susp> <plan used>|<draws>|<credit crossings>"
                   epoch   0 = not loaded; for a re-send, the epoch its draws were made under
-                  credit  live credit after the call; -1 = not read (no draw, no reject)
+                  credit  live credit after the call (a charge, a re-send, a reject);
+                          -1 = not read (a duplicate, or statuses 3 and 4)
                   susp    suspended until, ms (0 = until lifted); -1 = not suspended
                   draws   "<ref>=<n> <ref>=<n>" in draw order (may be empty)
                   credit crossings  "<kind> <remaining> <tokens> <grant kind> <ref>;..." kind
@@ -143,6 +149,7 @@ do
   local D = 4        -- tokens drawn from grants by the events T counts
   local N = 5        -- the highest usage threshold already reported, percent
   local fast, epoch, now, nw, size, layout, v = packed ~= false, nil, nil, nil, nil, nil, nil
+  local grants_held = nil  -- (entitlements on) ent's ng: '0' = no grants, so credit 0
   if fast then
     size = #packed / 8
     layout = '<' .. string.rep('d', size)
@@ -150,10 +157,11 @@ do
     now = math.max(now_arg, v[CLK])
   end
   if fast and dr_key then
-    local e = redis.call('HMGET', ent_key, 'epoch', 'plan', 'susp')
+    local e = redis.call('HMGET', ent_key, 'epoch', 'plan', 'susp', 'ng')
     local susp = tonumber(e[3])
     epoch = tonumber(e[1])
     fast = epoch ~= nil and not (susp and (susp == 0 or now < susp))
+    grants_held = e[4]
     if fast and e[2] and e[2] ~= plan_name then use_override(e[2]) end
   end
   nw = #call_windows
@@ -194,10 +202,23 @@ do
       if redis.call('ZADD', log_key, 'NX', now, request_id) == 1 then
         redis.call('HSET', ev_key, request_id, record)
         -- reply: status, retry, binding, (entitlements on: the ent block: nothing drawn,
-        -- credit not read, not suspended), then per window used and resets_at
+        -- the live credit, not suspended), then per window used and resets_at
         local out, at = {1, 0, 0}, 3
         if epoch then
-          out[4], at = string.format('%d 0 -1 -1 %s||', epoch, plan_name), 4
+          -- the live credit: 0 without grants, else the sum of the unexpired grants'
+          -- remaining ("<remaining> <expires_ms or 0> ..." per g:<ref>), read in one pass
+          local credit = 0
+          if grants_held ~= '0' then
+            local raw = redis.call('HGETALL', ent_key)
+            for j = 1, #raw, 2 do
+              if string.sub(raw[j], 1, 2) == 'g:' then
+                local rem, exp = string.match(raw[j + 1], '^(%d+) (%d+)')
+                exp = tonumber(exp)
+                if rem and (exp == 0 or now < exp) then credit = credit + tonumber(rem) end
+              end
+            end
+          end
+          out[4], at = string.format('%d 0 %d -1 %s||', epoch, credit, plan_name), 4
         end
         local thresholds, th_margin = parse_thresholds(threshold_spec)
         local crossed = thresholds and {}
@@ -218,7 +239,12 @@ do
           v[DEAD] = 0
         end
         v[CLK] = now
-        redis.call('HSET', meta_key, FIELD, struct.pack(layout, unpack(v, 1, size)))
+        if epoch then  -- and the plan this charge was made under, for the operator's view
+          redis.call('HSET', meta_key, FIELD, struct.pack(layout, unpack(v, 1, size)),
+                     'lp', string.format('%d %s', now, plan_name))
+        else
+          redis.call('HSET', meta_key, FIELD, struct.pack(layout, unpack(v, 1, size)))
+        end
         if due then renew_expiry(longest + margin_ms + math.min(longest, 3600000)) end
         if crossed then
           for i = 1, #crossed do out[#out + 1] = crossed[i] end
@@ -352,7 +378,8 @@ if ent then
     use_override(ent.plan)
     nw = #call_windows
   end
-  for i = 1, nw do
+  -- a cost above a shorter window's limit never fits (above the quota's: below)
+  for i = 1, nw - 1 do
     if cost > limits[i] and not resent then
       resent = charged_by_this_call()
       if not resent then return {5, 0, i, ent_block()} end
@@ -362,6 +389,17 @@ if ent then
 end
 
 local longest = advance(m, now, call_windows)
+
+-- A cost above the quota's limit: credit pays the part beyond it, cost - Q at least, so a
+-- user whose live credit is short of that is refused (5) unless the id is charged already
+-- (a re-send or a duplicate, answered below). Nothing was written yet.
+if quota_w and cost > limits[nw] then
+  local _, avail = G.more().live_grants(ent, now)
+  if avail < cost - limits[nw] and not live_score(m, longest, request_id) then
+    credit = avail
+    return {5, 0, nw, ent_block()}
+  end
+end
 
 -- (quota_w is nil with entitlements off: every window counts full costs)
 local function reply(status, retry, binding)
@@ -452,6 +490,9 @@ if fits then
       redis.call('PEXPIRE', dr_key, int(longest + margin_ms + math.min(longest, 3600000)))
       credit = credit - drawn
       for _, s in pairs(m.windows) do s.drawn = s.drawn + drawn end
+    elseif ent then
+      local _, avail = G.more().live_grants(ent, now)
+      credit = avail
     end
     for _, s in pairs(m.windows) do
       s.total = s.total + cost
@@ -470,6 +511,7 @@ if fits then
       end
     end
     save_meta(m, now, longest)
+    if ent then redis.call('HSET', meta_key, 'lp', string.format('%d %s', now, plan_name)) end
     local out = reply(1, 0, 0)
     for i = 1, #crossed do out[#out + 1] = crossed[i] end
     return out
@@ -482,7 +524,10 @@ elseif not live_score(m, longest, request_id) then
     -- the quota fails only when the grants could not cover what it lacks
     if total + cost > limits[i] and (w ~= quota_w or quota_short) then
       local quota = w == quota_w and m.windows[w].drawn > 0
-      local wait = wait_ms(now, w, total + cost - limits[i], quota)
+      local free = total + cost - limits[i]
+      -- a cost above the quota never fits it alone: wait until the credit covers the rest
+      if w == quota_w and cost > limits[i] then free = free - credit end
+      local wait = wait_ms(now, w, free, quota)
       if wait > retry then retry, binding = wait, i end
     end
   end
@@ -498,13 +543,13 @@ local same_call = rec and string.match(rec, '^%d+ (%S+)') == nonce
 draws, drawn = nil, 0
 if ent then credit = -1 end
 if ent and same_call then
-  -- a re-send: report the draws its first run made, nothing drawn now
+  -- a re-send: report the draws its first run made, nothing drawn now, and the credit
   local epoch, list = G.more().parse_draws(redis.call('HGET', dr_key, request_id))
   if epoch then
     draws, draw_epoch = list, epoch
     for _, d in ipairs(list) do drawn = drawn + d[2] end
-    local _, avail = G.more().live_grants(ent, now)
-    credit = avail
   end
+  local _, avail = G.more().live_grants(ent, now)
+  credit = avail
 end
 return reply(same_call and 1 or 2, 0, 0)

@@ -25,8 +25,9 @@ and the reply has the entitlements after now_ms, the quota window (the plan's lo
 counts t - d (what grants did not cover), and every event has its dr record after it:
   {now_ms, {plan used, epoch (0 = not loaded), suspended until (ms, 0 = until lifted, -1 =
    not suspended), {live grants in draw order: ref, remaining, tokens, expires_ms (0 =
-   never), kind, ...}}, used_1, resets_at_ms_1, ..., then per event: request_id, at_ms,
-   record, draws ("#<epoch> <ref>=<n> ..." or false)}
+   never), kind, ...}, last charge ("<ms> <plan>" of meta's lp, '' = unknown)}, used_1,
+   resets_at_ms_1, ..., then per event: request_id, at_ms, record, draws ("#<epoch>
+   <ref>=<n> ..." or false)}
 
 Returns {now_ms, used_1, resets_at_ms_1, used_2, resets_at_ms_2, ...,
          then per event, most recent first: request_id, at_ms, record}
@@ -84,7 +85,7 @@ if dr_key then
     end
     local susp = -1
     if ent.susp and (ent.susp == 0 or now < ent.susp) then susp = ent.susp end
-    return {plan_name, ent.epoch or 0, susp, flat}
+    return {plan_name, ent.epoch or 0, susp, flat, redis.call('HGET', meta_key, 'lp') or ''}
   end
 end
 

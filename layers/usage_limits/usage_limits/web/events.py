@@ -1,6 +1,6 @@
 """Usage-threshold and credit events, published to EventBridge within a short bound.
 
-Three detail-types, all with source ``atto.cloud``:
+Four detail-types, all with source ``atto.cloud``:
 
 - ``Atto Usage Threshold``: a charge took a user across a threshold of a window
   (``user``, ``plan``, ``window_s``, ``threshold`` in percent, ``used``, ``limit``);
@@ -8,7 +8,10 @@ Three detail-types, all with source ``atto.cloud``:
   its tokens or below (``user``, ``plan``, ``reference``, ``grant_kind``, ``remaining``,
   ``tokens``, ``low_percent``);
 - ``Atto Credit Exhausted``: a charge used up one of a user's credit grants (same fields,
-  ``remaining`` 0).
+  ``remaining`` 0);
+- ``Atto Credit Expired``: a grant expired with tokens unused (``user``, ``reference``,
+  ``grant_kind``, ``forfeited``, ``tokens``, ``expires_at``), once per grant, published by
+  the load or read that first recorded it (the grant's ``expired_at``).
 
 The reservation script reports each crossing once per grant (``Reservation.crossings`` and
 ``Reservation.credit_crossings``); ``threshold_events`` and ``credit_events`` turn them into
@@ -56,7 +59,8 @@ SOURCE = "atto.cloud"
 USAGE_THRESHOLD = "Atto Usage Threshold"
 CREDIT_LOW = "Atto Credit Low"
 CREDIT_EXHAUSTED = "Atto Credit Exhausted"
-DETAIL_TYPES = (USAGE_THRESHOLD, CREDIT_LOW, CREDIT_EXHAUSTED)
+CREDIT_EXPIRED = "Atto Credit Expired"
+DETAIL_TYPES = (USAGE_THRESHOLD, CREDIT_LOW, CREDIT_EXHAUSTED, CREDIT_EXPIRED)
 
 #: How a line that shows an event local mode did not publish begins (then the
 #: detail-type and the detail as JSON).
@@ -198,7 +202,40 @@ _CREDIT_EVENTS: dict[str, type[CreditLow] | type[CreditExhausted]] = {
     "low": CreditLow, "exhausted": CreditExhausted}
 
 
-Event = UsageThreshold | CreditLow | CreditExhausted
+@dataclass(frozen=True)
+class CreditExpired:
+    """One grant of ``user`` expired with tokens unused: they are forfeited. Published
+    once per grant, by the load or read that first recorded it (``expired_at``).
+
+    Attributes:
+        user: the user's id.
+        reference: the grant's reference.
+        grant_kind: ``promo`` or ``paid``.
+        forfeited: the unused tokens, lost at expiry.
+        tokens: the grant's amount.
+        expires_at: when it expired (RFC 3339, UTC).
+    """
+
+    user: str
+    reference: str
+    grant_kind: str
+    forfeited: int
+    tokens: int
+    expires_at: str
+
+    detail_type = CREDIT_EXPIRED
+
+
+Event = UsageThreshold | CreditLow | CreditExhausted | CreditExpired
+
+
+def expired_events(user_id: str, grants: Sequence[Any]) -> list[CreditExpired]:
+    """One ``CreditExpired`` per grant (``entitlements.Grant``) recorded as expired unused."""
+    from ..entitlements.models import iso
+
+    return [CreditExpired(user=user_id, reference=g.reference, grant_kind=g.kind,
+                          forfeited=g.remaining, tokens=g.tokens,
+                          expires_at=iso(g.expires_at_ms) or "") for g in grants]
 
 
 def threshold_events(user: str, plan: str,

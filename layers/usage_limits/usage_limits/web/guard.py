@@ -82,6 +82,8 @@ class RequestState:
     plan_name: str = ""
     #: The user's windows read for an answer that reserved nothing (a replay, a 409).
     windows: tuple[WindowUsage, ...] = ()
+    #: With entitlements on, the live credit read with ``windows``; else None.
+    credit: int | None = None
 
 
 def request_state(request: Request) -> RequestState:
@@ -150,6 +152,24 @@ async def read_usage(user: str, plan: Plan, *, events: int = 50) -> tuple[Usage,
     if until is not None:
         raise AccountSuspended("this account is suspended", until=iso(until) if until else None)
     return report, settings().plans.get(report.plan_name) or plan
+
+
+async def read_history(user: str) -> tuple[list[Any], list[Any]]:
+    """The user's recently ended grants and support refunds (``EntitlementCache.history``);
+    nothing with entitlements off. A grant seen expired with tokens unused is recorded and
+    reported (``Atto Credit Expired``) on the way.
+
+    Raises:
+        LimiterUnavailableError: DynamoDB could not be reached.
+    """
+    ent = runtime.get_entitlements()
+    if ent is None:
+        return [], []
+    try:
+        return await ent.history(user)
+    except StoreUnavailable as exc:
+        raise LimiterUnavailableError("the usage limiter is unavailable",
+                                      headers=retry_after_header(1)) from exc
 
 
 def _route_path(request: Request) -> str:
@@ -264,16 +284,8 @@ class TokenGuard:
                 "the usage limiter is unavailable; nothing was charged",
                 headers=retry_after_header(1)) from exc
         except CostExceedsLimit as exc:
-            # the window that refused it: of the caller's plan, else (an operator's
-            # override to another plan) of the plan whose window has that limit
-            plan = tuple((w.limit, int(w.seconds)) for w in budget.windows)
-            plans = [plan, *(p.windows for p in settings().plans.by_name.values())]
-            window_s = next((s for windows in plans for limit, s in windows
-                             if limit == exc.limit and limit < cost), plan[-1][1])
-            raise CostExceedsPlan(
-                f"this request costs {cost} tokens, more than your plan allows in a window "
-                f"of {window_s} s; it can never be served under this plan",
-                cost=cost, limit=int(exc.limit), window_s=window_s) from exc
+            raise _cost_exceeds_plan(cost, exc, budget.windows[-1].seconds,
+                                     entitled=ent is not None) from exc
         if ent is not None:
             _check_entitlements(reservation)
             state.plan_name = reservation.plan_name or state.plan_name
@@ -282,7 +294,8 @@ class TokenGuard:
             obs.count(obs.BUDGET_REJECTED)
             extra = {} if ent is None else {"credit": reservation.credit or 0}
             raise BudgetExceeded(
-                f"token budget exceeded: this request costs {cost} tokens",
+                f"token budget exceeded: this request costs {cost} tokens"
+                + _why_refused(reservation, ent is not None),
                 headers=retry_after_header(reservation.retry_after_s),
                 retry_after_s=round(reservation.retry_after_s, 3), limit=reservation.limit,
                 remaining=reservation.remaining, window_s=_seconds(reservation.window_s),
@@ -378,6 +391,45 @@ def _check_entitlements(reservation: Reservation) -> None:
     if reservation.status == "not_loaded":
         raise LimiterUnavailableError("the usage limiter is unavailable; nothing was charged",
                                       headers=retry_after_header(1))
+
+
+def _why_refused(reservation: Reservation, entitled: bool) -> str:
+    """The end of a 429's message: which window is full and whether credit could help."""
+    if not entitled:
+        return ""
+    window_s = _seconds(reservation.window_s)
+    if reservation.windows and reservation.window_s == reservation.windows[-1].window_s:
+        return (f"; your plan's quota (the {window_s} s window) lacks room for it and your "
+                f"credit ({reservation.credit or 0} tokens) does not cover the rest: more "
+                "credit, or waiting Retry-After, lets it be served")
+    return (f"; the {window_s} s window is full, and credit pays only beyond the quota "
+            "(the plan's longest window): wait Retry-After")
+
+
+def _cost_exceeds_plan(cost: int, exc: CostExceedsLimit, longest_s: float, *,
+                       entitled: bool) -> CostExceedsPlan:
+    """The 422 for a cost the plan used cannot serve, saying whether credit could help.
+
+    ``exc.credit`` is set when the window is the plan's quota: credit pays the part beyond
+    it, and the user's live credit is short of that part (``credit_needed``). A shorter
+    window bounds every request, credit or not.
+    """
+    window_s = int(exc.window_s if exc.window_s is not None else longest_s)
+    limit = int(exc.limit)
+    if exc.credit is not None:
+        needed = cost - limit
+        return CostExceedsPlan(
+            f"this request costs {cost} tokens, more than your plan's quota of {limit} "
+            f"tokens per {window_s} s; credit pays the part beyond the quota, and it needs "
+            f"{needed} tokens of credit where you have {exc.credit}: more credit would let "
+            "it be served", cost=cost, limit=limit, window_s=window_s,
+            credit=exc.credit, credit_needed=needed)
+    why = ("; credit cannot pay for it (credit pays only beyond the quota, the plan's "
+           "longest window), so" if entitled else ";")
+    return CostExceedsPlan(
+        f"this request costs {cost} tokens, more than your plan allows in a window of "
+        f"{window_s} s{why} it can never be served under this plan",
+        cost=cost, limit=limit, window_s=window_s)
 
 
 async def _record_draw(state: RequestState, charge: Charge, ent: EntitlementCache,

@@ -262,6 +262,8 @@ async def _read_windows(state: RequestState, *, replay: bool = False) -> None:
                 headers=retry_after_header(1)) from exc
         return
     state.windows = usage.windows
+    if charge.entitlements is not None:
+        state.credit = sum(g.remaining for g in usage.grants)
     until = usage.suspended_until_ms
     if charge.entitlements is not None and until is not None:
         raise AccountSuspended("this account is suspended", until=iso(until) if until else None)

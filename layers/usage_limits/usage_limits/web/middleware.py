@@ -353,9 +353,19 @@ def _label(seconds: int) -> str:
 
 @lru_cache(maxsize=32)
 def _window_fields(limit: int, window_s: float) -> tuple[str, str]:
-    """A window's label and its ``RateLimit-Policy`` item: the same for every request."""
+    """A window's label and its ``RateLimit-Policy`` item: the same for every request.
+
+    The quotas count tokens. The draft's ``qu`` takes only the units of its registry
+    (``requests``, the default, ``content-bytes``, ``concurrent-requests``), so the unit
+    goes in a vendor-prefixed parameter, as the draft asks of service-specific ones.
+    """
     label = _label(int(window_s))
-    return label, f'"{label}";q={limit};w={int(window_s)}'
+    return label, f'"{label}";q={limit};w={int(window_s)};{UNIT_PARAM}="tokens"'
+
+
+#: The vendor-prefixed parameters of the RateLimit fields: the quota unit (on every policy
+#: item) and the live credit (on the quota's item in ``RateLimit``).
+UNIT_PARAM, CREDIT_PARAM = "atto-qu", "atto-credit"
 
 
 def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes, bytes]]:
@@ -365,26 +375,41 @@ def _ratelimit_headers(state: RequestState, refunding: bool) -> list[tuple[bytes
     back since: a settle's difference, and when the request failed, the refund about to be
     made, so the client sees what it really has left. ``t`` is 0 for a window that holds
     nothing (after that refund).
+
+    With entitlements on, credit pays what the quota (the longest window) cannot, so the
+    quota's ``r`` is what that window admits with credit: its own room plus the live
+    credit, and its item carries the credit alone as ``atto-credit``. A separate policy
+    item for credit would wrongly cap a client that obeys every item's ``r`` at the credit.
     """
     reservation = state.reservation
     windows = reservation.windows if reservation is not None else state.windows
     if not windows:
         return []
+    credit = reservation.credit if reservation is not None else state.credit
     charge = state.charge
-    give_back = 0
+    give_back = drawn = 0
     if charge is not None and charge.reservation is not None:
         give_back = charge.reservation.cost - (0 if refunding else charge.cost)
+        drawn = charge.reservation.drawn
     now = time.time()
     policies, limits = [], []
-    for w in windows:
+    quota = len(windows) - 1
+    for i, w in enumerate(windows):
         label, policy = _window_fields(w.limit, w.window_s)
         policies.append(policy)
-        remaining = min(w.limit, w.remaining + give_back)
+        back, extra = give_back, ""
+        remaining = min(w.limit, w.remaining + back)
+        if i == quota and credit is not None:
+            returned = min(give_back, drawn)  # a lowering gives drawn credit back first
+            back = give_back - returned
+            credit_left = credit + returned
+            remaining = min(w.limit, w.remaining + back) + credit_left
+            extra = f";{CREDIT_PARAM}={credit_left}"
         # an empty window (nothing counted, or only this request's refunded charge) has
         # nothing to wait for: t=0, as /v1/usage shows resets_at null
         resets_at = w.resets_at
-        empty = resets_at is None or w.used <= give_back
+        empty = resets_at is None or w.used <= back
         reset = 0 if resets_at is None or empty else max(0, round(resets_at - now))
-        limits.append(f'"{label}";r={remaining};t={reset}')
+        limits.append(f'"{label}";r={remaining};t={reset}{extra}')
     return [(b"ratelimit-policy", ", ".join(policies).encode()),
             (b"ratelimit", ", ".join(limits).encode())]

@@ -94,4 +94,12 @@ def get_entitlements() -> EntitlementCache | None:
         from ..entitlements.store import default_store
 
         _entitlements = EntitlementCache(default_store())
+        _entitlements.on_forfeit = _publish_expired
     return _entitlements
+
+
+def _publish_expired(user_id: str, grants: list[Any]) -> None:
+    """Publish ``Atto Credit Expired`` for grants a load or read recorded as expired."""
+    from . import events
+
+    events.publish_soon(events.expired_events(user_id, grants))

@@ -2,9 +2,10 @@
 request, wherever it runs.
 
 Every charge the guard makes is provisional (``TokenBudget.reserve(hold_ms=...)``) for
-the rest of its request's time (``hold_ms``) plus ``HOLD_MARGIN_S``. A request that succeeds confirms
-its charge before its answer goes out (``confirm``); one that cannot (Redis did not answer,
-or its charge was claimed meanwhile) answers 503 instead and refunds. A charge never
+the rest of its request's time plus ``HOLD_MARGIN_S`` (``hold_ms``). A request that
+succeeds confirms its charge before its answer goes out (``confirm``); one that cannot
+(Redis did not answer, or its charge was claimed meanwhile) answers 503 instead and
+refunds. A charge never
 confirmed (the reservation's reply was lost, the refund after a failure was lost, the
 execution environment died) is claimed, once its hold has ended, by the next request of
 the same user that confirms a charge, or that the ledger refuses (429) or finds already

@@ -15,10 +15,15 @@ server's time (plus, after a failover, how far the new primary's clock runs behi
 ]]
 
 -- The lease clock now, ms since the epoch (float), from the caller's time and its trust.
+-- A server that refuses TIME in scripts (reported of some managed services) leaves the
+-- caller's clock unbounded, as it was before this bound: the latest caller time seen.
 local function lease_clock_now(clock_key, caller_ms, trust_ms)
-  local t = redis.call('TIME')
-  local server = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-  local trust = math.max(0, tonumber(trust_ms) or 0)
-  local caller = math.min(math.max(tonumber(caller_ms), server - trust), server + trust)
+  local caller = tonumber(caller_ms)
+  local ok, t = pcall(redis.call, 'TIME')
+  if ok then
+    local server = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+    local trust = math.max(0, tonumber(trust_ms) or 0)
+    caller = math.min(math.max(caller, server - trust), server + trust)
+  end
   return math.max(tonumber(redis.call('GET', clock_key)) or 0, caller)
 end

@@ -122,8 +122,9 @@ class Rig:
         self.pending: dict[str, list[Any]] = {"faulty": [], "direct": []}
         self.current: str | None = None
 
-    def call(self, env: str, method: str, path: str, **kwargs: Any) -> Any:
-        """Serve one request in ``env`` (a Lambda invocation with a TIMEOUT_S timeout)."""
+    def call(self, env: str, method: str, path: str, *, timeout_s: float = TIMEOUT_S,
+             **kwargs: Any) -> Any:
+        """Serve one request in ``env`` (a Lambda invocation with a ``timeout_s`` timeout)."""
         if self.current != env:
             if self.current is not None:
                 self.pending[self.current] = list(refunds._pending)
@@ -131,7 +132,7 @@ class Rig:
             runtime.set_redis(self.clients[env])
             self.current = env
         return invoke(self.handler, http_event(method, path, **kwargs),
-                      FakeContext(timeout_s=TIMEOUT_S))
+                      FakeContext(timeout_s=timeout_s))
 
     def used(self, user: str) -> int:
         return int(self.call("direct", "GET", "/used", user=user).body["used"])
@@ -211,7 +212,8 @@ def test_a_success_whose_confirm_is_lost_is_answered_503_and_refunded(rig: Rig,
     the answer is withheld: 503, the charge refunded, and a retry of the key is served."""
     user, key = uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
     rig.proxy.inject(fault, match=HOLD, times=2)
-    first = rig.call("faulty", "POST", "/ok", body={}, user=user, headers=key)
+    # time enough after the lost confirm (two socket timeouts) for the refund, under load
+    first = rig.call("faulty", "POST", "/ok", body={}, user=user, headers=key, timeout_s=5.0)
     assert first.status == 503 and first.body["error"]["code"] == "limiter_unavailable"
     assert "withheld" in first.body["error"]["message"]
     assert "charged" not in first.body["error"]  # the refund landed: nothing charged

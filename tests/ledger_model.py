@@ -10,7 +10,11 @@ totals after any sequence of calls. It follows the ledger's documented rules:
 - a refund or settle lowers a charge only when its nonce is the charge's;
 - every window length the user has had is kept up to date, and events older than the
   longest of them are forgotten (a window seen for the first time counts what is left);
-- ``usage`` of a user who never reserved answers zeros and changes nothing.
+- ``usage`` of a user who never reserved answers zeros and changes nothing;
+- a reservation with a hold is provisional until confirmed; from its hold's end on, a
+  ``hold`` call claims it (its own request can no longer confirm it) until it is refunded.
+  An event that left every window may still be stored (deleted in batches): what ``hold``
+  answers about it is not decided here (``Held.maybe``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,21 @@ class Answer:
     windows: tuple[WindowState, ...]
 
 
+@dataclass(frozen=True)
+class Held:
+    """What ``TokenBudget.hold`` should answer.
+
+    Attributes:
+        confirmed: as ``Held.confirmed`` (unless the id is in ``maybe``).
+        claimed: (id, nonce, cost) of each charge claimed.
+        maybe: ids of charges that left every window: the ledger may answer either way.
+    """
+
+    confirmed: bool | None
+    claimed: set[tuple[str, str, int]]
+    maybe: set[str]
+
+
 @dataclass
 class Model:
     """One user's ledger, computed from every live event."""
@@ -60,12 +79,19 @@ class Model:
     started: bool = False  # the user has keys: some reservation reached the ledger
     lengths: set[int] = field(default_factory=set)  # window lengths kept up to date, ms
     events: dict[str, Event] = field(default_factory=dict)
+    #: id -> when its provisional charge may be claimed, ms (-1: claimed)
+    holds: dict[str, int] = field(default_factory=dict)
+    #: id -> nonce of its charge that left every window (the ledger may still store it)
+    dead: dict[str, str] = field(default_factory=dict)
 
     def tick(self, now_ms: int, plan: list[Window]) -> int:
         """Clamp the clock, take the plan's windows on, forget what left the longest."""
         self.clk = max(self.clk, now_ms)
         self.lengths |= {w.ms for w in plan}
         cut = self.clk - max(self.lengths)
+        for k, e in self.events.items():
+            if e.at <= cut:
+                self.dead[k] = e.nonce
         self.events = {k: e for k, e in self.events.items() if e.at > cut}
         return self.clk
 
@@ -95,7 +121,7 @@ class Model:
         raise AssertionError("a cost within the limit always fits eventually")
 
     def reserve(self, rid: str, cost: int, route: str, nonce: str, now_ms: int,
-                plan: list[Window]) -> Answer:
+                plan: list[Window], hold_ms: int = 0) -> Answer:
         """The answer to a reservation (the caller checks ``cost`` against the plan first)."""
         self.started = True
         self.tick(now_ms, plan)
@@ -111,6 +137,11 @@ class Model:
                         wait, binding = wait_w, i
             if allowed:
                 self.events[rid] = Event(self.clk, cost, route, nonce)
+                self.dead.pop(rid, None)
+                if hold_ms:
+                    self.holds[rid] = self.clk + hold_ms
+                else:  # a charge that is not provisional is never claimed
+                    self.holds.pop(rid, None)
         states = tuple(self.state(w) for w in plan)
         least = min(s.remaining for s in states)
         if binding < 0:  # allowed: the window with the least room (the shortest on a tie)
@@ -128,6 +159,34 @@ class Model:
         else:
             self.events[rid] = Event(event.at, new_cost, event.route, event.nonce)
         return True
+
+    def hold(self, rid: str, nonce: str, now_ms: int) -> Held:
+        """``TokenBudget.hold``: confirm ``rid``'s charge (unless ``rid`` is ''), then
+        claim every provisional charge whose hold ended by ``now_ms`` (the caller's clock)."""
+        confirmed: bool | None = None
+        maybe: set[str] = set()
+        if rid:
+            event = self.events.get(rid)
+            if event is not None and event.nonce == nonce:
+                confirmed = self.holds.get(rid, 0) >= 0
+                if confirmed:
+                    self.holds.pop(rid, None)
+            elif self.dead.get(rid) == nonce:
+                maybe.add(rid)
+            else:
+                confirmed = False
+        claimed = set()
+        for key, at in sorted(self.holds.items()):
+            if at > now_ms:
+                continue
+            if key in self.events:
+                self.holds[key] = -1
+                claimed.add((key, self.events[key].nonce, self.events[key].cost))
+            elif key in self.dead:
+                maybe.add(key)
+            else:
+                del self.holds[key]
+        return Held(confirmed, claimed, maybe)
 
     def usage(self, now_ms: int, plan: list[Window]) -> tuple[int, tuple[WindowState, ...],
                                                              list[tuple[str, int, int, str]]]:

@@ -140,3 +140,49 @@ async def test_usage_reads_the_same_through_faults(rig: Rig, fault: Fault, times
             await rig.faulty.usage(rig.user, now_ms=T0 + 10)
     assert await rig.used() == [8, 8]
     assert await rig.events() == [("a", 5), ("b", 3)]
+
+
+@pytest.mark.parametrize("fault,times", CASES, ids=IDS)
+async def test_confirm_through_faults_confirms_once_or_leaves_it_provisional(
+        rig: Rig, fault: Fault, times: int) -> None:
+    """A confirm through a fault either confirms the charge (no later claim takes it) or,
+    when it never ran, leaves it provisional, to be claimed once its hold ended."""
+    mine = await rig.direct.reserve(rig.user, "a", 5, now_ms=T0, hold_ms=100)
+    rig.arm("budget_hold", fault, times)
+    if times == 1:
+        held = await rig.faulty.hold(rig.user, "a", nonce=mine.nonce, now_ms=T0 + 10)
+        assert held.confirmed is True  # a re-send answers as the first run did
+        ran = True
+    else:
+        with pytest.raises(LimiterUnavailable):
+            await rig.faulty.hold(rig.user, "a", nonce=mine.nonce, now_ms=T0 + 10)
+        ran = RUNS[fault]
+    later = await rig.direct.hold(rig.user, now_ms=T0 + 1_000)
+    assert [c.request_id for c in later.claimed] == ([] if ran else ["a"])
+    assert await rig.used() == [5, 5]  # nothing undone by the confirm itself
+    # the request answered 503 when its confirm failed: its refund removes the charge once
+    assert await rig.direct.refund(rig.user, "a", nonce=mine.nonce) is True
+    assert await rig.used() == [0, 0]
+
+
+@pytest.mark.parametrize("fault,times", CASES, ids=IDS)
+async def test_claim_through_faults_tells_the_charge_until_it_is_refunded(
+        rig: Rig, fault: Fault, times: int) -> None:
+    """A claim through a fault claims an expired charge once; whether or not its answer came
+    back, the next claim tells it again, its own request can no longer confirm it once a
+    claim ran, and its refund by nonce removes it once."""
+    mine = await rig.direct.reserve(rig.user, "a", 5, now_ms=T0, hold_ms=100)
+    rig.arm("budget_hold", fault, times)
+    if times == 1:
+        held = await rig.faulty.hold(rig.user, now_ms=T0 + 200)
+        assert [(c.request_id, c.nonce) for c in held.claimed] == [("a", mine.nonce)]
+    else:
+        with pytest.raises(LimiterUnavailable):
+            await rig.faulty.hold(rig.user, now_ms=T0 + 200)
+    again = await rig.direct.hold(rig.user, now_ms=T0 + 200)
+    assert [(c.request_id, c.cost) for c in again.claimed] == [("a", 5)]
+    assert (await rig.direct.hold(rig.user, "a", nonce=mine.nonce)).confirmed is False
+    assert await rig.direct.refund(rig.user, "a", nonce=mine.nonce) is True
+    assert await rig.direct.refund(rig.user, "a", nonce=mine.nonce) is False
+    assert (await rig.direct.hold(rig.user, now_ms=T0 + 300)).claimed == ()
+    assert await rig.used() == [0, 0]

@@ -459,7 +459,7 @@ async def test_entitlements_off_ignore_ent_and_run_the_same_commands(redis_clien
     d = await off.reserve(uid, "a", 3, now_ms=T0)
     assert (d.status, d.plan_name, d.epoch, d.credit) == ("charged", "", 0, None)
     keys, _ = off._reserve_call(uid, "b", 1, "", off.windows, T0, "n")
-    assert keys == user_keys(uid, "log", "ev", "meta")
+    assert keys == user_keys(uid, "log", "ev", "meta", "pv")
     assert await off.refund(uid, "a", nonce=d.nonce)
     assert (await on.reserve(uid, "c", 1, now_ms=T0, plan_name="free")).status == "suspended"
 

@@ -2,11 +2,14 @@
 
 Hypothesis drives random sequences of reservations (new ids, re-sent calls with the same
 nonce, second reservations of an id with another nonce, costs too large for the plan),
-refunds and settles (with the charge's own nonce and with a foreign one), usage reads,
+refunds and settles (with the charge's own nonce and with a foreign one), provisional
+charges (reservations with a hold) confirmed, or claimed once their hold ended and refunded
+by their claimer, usage reads,
 plan changes (window sets that differ), clocks that go backwards and times exactly on
 window boundaries. After every step, each window's total, remaining and reset time, and
 the spend events, equal the model's; every reservation's answer (retry_after_s included)
-equals the model's too.
+equals the model's too. Independently of the model: a confirmed charge is never claimed,
+and a claimed one is never confirmed.
 
 The ``ci`` profile (``make test``) runs a fixed few thousand steps; ``long``
 (``ATTO_PROPERTY_PROFILE=long``, run by ``make fleet``) many more with random seeds.
@@ -44,6 +47,8 @@ PLANS = [
     [Window(8, 0.05), Window(20, 0.1), Window(100, 2.0)],
 ]
 ROUTES = ["", "/v1/structured", "GET /v1/salary"]
+#: Holds of provisional charges, ms (0: not provisional).
+HOLDS = [0, 0, 50, 300]
 #: Steps per example; the profile's max_examples sets how many examples run.
 STEPS = 100
 
@@ -66,14 +71,16 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ids: list[str] = []  # every id reserved so far, live or not
         self.nonces: dict[str, str] = {}  # id -> nonce of the call that charged it last
         self.last: tuple[Any, ...] | None = None  # the last reservation's arguments
+        self.confirmed: set[tuple[str, str]] = set()  # (id, nonce) confirmed
+        self.claimed: set[tuple[str, str]] = set()  # (id, nonce) claimed
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
 
     # ------------------------------------------------------------------ reservations
     def _reserve(self, rid: str, cost: int, route: str, nonce: str, now: int,
-                 plan: list[Window]) -> None:
-        self.last = (rid, cost, route, nonce, now, plan)
+                 plan: list[Window], hold_ms: int = 0) -> None:
+        self.last = (rid, cost, route, nonce, now, plan, hold_ms)
         if cost > min(w.limit for w in plan):
             try:
                 self.run(self.budget.reserve(self.user, rid, cost, route=route, windows=plan,
@@ -82,8 +89,12 @@ class LedgerMachine(RuleBasedStateMachine):
                 return
             raise AssertionError("a cost above a window's limit must raise CostExceedsLimit")
         d = self.run(self.budget.reserve(self.user, rid, cost, route=route, windows=plan,
-                                         now_ms=now, nonce=nonce))
-        want = self.model.reserve(rid, cost, route, nonce, now, plan)
+                                         now_ms=now, nonce=nonce, hold_ms=hold_ms))
+        before = self.model.events.get(rid)
+        want = self.model.reserve(rid, cost, route, nonce, now, plan, hold_ms)
+        if self.model.events.get(rid) is not before:  # a new charge (a late copy may make
+            self.confirmed.discard((rid, nonce))      # one again after a refund): a new
+            self.claimed.discard((rid, nonce))        # provisional charge
         assert (d.allowed, d.duplicate, round(d.retry_after_s * 1000)) == (
             want.allowed, want.duplicate, want.retry_after_ms)
         assert (d.remaining, d.limit, d.window_s) == (want.remaining, want.limit, want.window_s)
@@ -99,18 +110,56 @@ class LedgerMachine(RuleBasedStateMachine):
             return live[pick % len(live)]
         return self.ids[pick % len(self.ids)] if self.ids else "never"
 
-    @rule(cost=st.integers(1, 12), route=st.sampled_from(ROUTES))
-    def reserve_new(self, cost: int, route: str) -> None:
-        """A reservation of a new id."""
+    @rule(cost=st.integers(1, 12), route=st.sampled_from(ROUTES), hold=st.sampled_from(HOLDS))
+    def reserve_new(self, cost: int, route: str, hold: int) -> None:
+        """A reservation of a new id (provisional with a hold)."""
         rid = f"r{len(self.ids)}"
         self.ids.append(rid)
-        self._reserve(rid, cost, route, new_nonce(), self.now, self.plan)
+        self._reserve(rid, cost, route, new_nonce(), self.now, self.plan, hold)
 
     @precondition(lambda self: self.ids)
-    @rule(pick=picks, cost=st.integers(1, 12))
-    def reserve_same_id_other_nonce(self, pick: int, cost: int) -> None:
-        """A second reservation of an id already used, by another call (another nonce)."""
-        self._reserve(self._known(pick), cost, "", new_nonce(), self.now, self.plan)
+    @rule(pick=picks, cost=st.integers(1, 12), hold=st.sampled_from(HOLDS))
+    def reserve_same_id_other_nonce(self, pick: int, cost: int, hold: int) -> None:
+        """A second reservation of an id already used, by another call (another nonce): a
+        client's retry of a key, after the first charge was refunded or claimed."""
+        self._reserve(self._known(pick), cost, "", new_nonce(), self.now, self.plan, hold)
+
+    # ------------------------------------------------------------------ provisional charges
+    def _hold(self, rid: str, nonce: str, now: int) -> None:
+        got = self.run(self.budget.hold(self.user, rid, nonce=nonce, now_ms=now, claim=100))
+        want = self.model.hold(rid, nonce, now)
+        if rid not in want.maybe:
+            assert got.confirmed == want.confirmed, (got, want)
+        self._claimed(got.claimed, want)
+        if got.confirmed:
+            assert (rid, nonce) not in self.claimed  # a claimed charge is never confirmed
+            self.confirmed.add((rid, nonce))
+
+    def _claimed(self, got: Any, want: Any) -> None:
+        claimed = {(c.request_id, c.nonce, c.cost) for c in got}
+        assert want.claimed <= claimed, (got, want)
+        assert {c[0] for c in claimed - want.claimed} <= want.maybe, (got, want)
+        for c in got:
+            assert not c.drew
+            assert (c.request_id, c.nonce) not in self.confirmed  # a success is never undone
+            self.claimed.add((c.request_id, c.nonce))
+
+    @rule(pick=picks, own=st.booleans(), lag=st.sampled_from([0, 0, 40, 400]))
+    def confirm(self, pick: int, own: bool, lag: int) -> None:
+        """A request confirms its charge (or another call's nonce tries), and claims what
+        expired, at a clock that may lag behind."""
+        rid = self._known(pick)
+        self._hold(rid, self.nonces.get(rid, "none") if own else new_nonce(), self.now - lag)
+
+    @rule(lag=st.sampled_from([0, 0, 40, 400]))
+    def claim_and_refund(self, lag: int) -> None:
+        """A request of the user claims the expired provisional charges and refunds them
+        with their nonces, as the claimer does."""
+        got = self.run(self.budget.hold(self.user, now_ms=self.now - lag, claim=100))
+        self._claimed(got.claimed, self.model.hold("", "", self.now - lag))
+        for c in got.claimed:
+            refunded = self.run(self.budget.refund(self.user, c.request_id, nonce=c.nonce))
+            assert refunded == self.model.lower(c.request_id, 0, c.nonce)
 
     @precondition(lambda self: self.last is not None)
     @rule()

@@ -373,3 +373,38 @@ def test_a_draw_crossing_low_and_exhausted_at_once_keeps_both(env: Any) -> None:
     [g] = store().load(user).grants
     assert (g.consumed, g.reported) == (1, "lx")
     books_balance(user)
+
+
+def test_a_lost_refund_of_a_draw_is_returned_in_dynamodb_by_the_users_next_request(
+        env: Any, emulator: EmulatorProcess, patch: pytest.MonkeyPatch) -> None:
+    """A failed request that drew credit, whose refund never reached Redis and whose
+    environment never serves again, gets its credit back through DynamoDB first at the
+    user's next request after its hold; the books balance and nothing comes back twice."""
+    import time
+
+    from usage_limits import budget as budget_module
+    from usage_limits.exceptions import LimiterUnavailable
+    from usage_limits.web import holds, refunds
+
+    user = uuid.uuid4().hex
+    grant(user, "inv", 16)
+    fill_quota(user)
+    patch.setattr(holds, "hold_ms", lambda remaining_ms: 300)  # a short hold, for the test
+
+    async def lost(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise LimiterUnavailable("the refund never reached Redis")
+
+    patch.setattr(budget_module.TokenBudget, "lower", lost)
+    fail_once(patch)
+    assert embed_one(user).status == 502
+    refunds.clear()  # that environment never serves again
+    patch.undo()
+    patch.setattr(holds, "hold_ms", lambda remaining_ms: 300)
+    assert consumed(user) == {"inv": 0}  # DynamoDB gave it back first; the ledger did not
+    time.sleep(0.4)
+    assert embed_one(user).status == 200  # its confirm claims the expired charge
+    assert consumed(user) == {"inv": 1}  # the new draw only: nothing returned twice
+    assert remaining(user) == {"inv": 15}
+    books_balance(user)
+    assert embed(user, 15) == [200] * 15 and embed_one(user).status == 429  # 16 in all
+    books_balance(user)

@@ -14,6 +14,11 @@ state and every reply must be the model's. Independently of the model, every ste
 - a call sent again (a lost reply re-sent, or a late copy) answers as the first did and
   changes nothing.
 
+The lease scripts trust a caller's clock only within a bound of the server's (the library
+sends 0); here that bound is larger than any offset of the clocks from the server's, so the
+explicit clocks decide and the model can follow them. test_throttle_resend.py checks the
+library's bound with the server's clock.
+
 Key expiry is real time, the clocks here are not: each script runs in a transaction that
 also reads and removes the expiry of every key it may write, so no key can expire in real
 time between steps (a step slowed down past a key's expiry once lost the provider's state),
@@ -49,6 +54,9 @@ from usage_limits.keys import provider_keys
 BASE_MS = 1_800_000_000_000.0
 #: Answers are kept longer than any example runs (the production value is 10 s).
 ANSWER_TTL_MS = 600_000
+#: The lease scripts' trust in the caller's clock here, ms: more than any clock's offset from
+#: the server's (the clocks start at BASE_MS and move by at most minutes).
+TRUST_MS = 1e13
 #: Steps per example (at most): ci runs 100 examples of up to 80 steps (about 8,000 steps
 #: in all), long 2,000 examples of up to 200.
 STEPS = 80 if settings().max_examples <= 100 else 200
@@ -134,10 +142,11 @@ class Model:
             self.waiters.pop(key, None)
         held = len(self.leases)
         free = self.limit - held
+        at = fmt(now)
         if lid in self.leases:
-            return [1, -1, free, ""]
+            return [1, -1, free, "", at]
         if lid in self.released:
-            return [0, -1, free, ""]
+            return [0, -1, free, "", at]
         order = sorted(self.waiters, key=lambda k: (self.waiters[k], k))
         if lid in self.waiters:
             rank = order.index(lid)
@@ -149,9 +158,9 @@ class Model:
             self.waiters.pop(lid, None)
             self.wexpiry.pop(lid, None)
             self.leases[lid] = now + self.lease_ms
-            return [1, -1, free - 1, ""]
+            return [1, -1, free - 1, "", at]
         if not queue:
-            return [0, -1, free, ""]
+            return [0, -1, free, "", at]
         self.wexpiry[lid] = now + self.waiter_ttl
         need = rank - free + 1
         expiry = None
@@ -161,7 +170,7 @@ class Model:
         first = min(self.wexpiry.items(), key=lambda kv: (kv[1], kv[0]))
         if first[0] != lid and (expiry is None or first[1] < expiry):
             expiry = first[1]
-        return [0, rank, free, "" if expiry is None else fmt(expiry)]
+        return [0, rank, free, "" if expiry is None else fmt(expiry), at]
 
     def lease_release(self, lid: str, now_arg: float) -> int:
         if lid in self.released:
@@ -272,7 +281,8 @@ class ThrottleMachine(RuleBasedStateMachine):
 
     def lease_args(self, now: float, lid: str, queue: bool) -> list[Any]:
         m = self.model
-        return [fmt(now), m.limit, fmt(m.lease_ms), lid, fmt(m.waiter_ttl), 1 if queue else 0]
+        return [fmt(now), m.limit, fmt(m.lease_ms), lid, fmt(m.waiter_ttl), 1 if queue else 0,
+                fmt(TRUST_MS)]
 
     # ---------------------------------------------------------------- rules: time
 
@@ -360,7 +370,7 @@ class ThrottleMachine(RuleBasedStateMachine):
         """Release ``lid`` at the caller's clock ``skew`` off the true time."""
         now = self.now(skew)
         self.run("throttle_lease_release", self.lease_keys,
-                 [lid, f"{self.uid}-free", fmt(now), fmt(self.model.lease_ms)],
+                 [lid, f"{self.uid}-free", fmt(now), fmt(self.model.lease_ms), fmt(TRUST_MS)],
                  lambda: self.model.lease_release(lid, now))
         self.gone.add(lid)
 

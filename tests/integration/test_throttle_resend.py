@@ -1,5 +1,6 @@
 """Throttle scripts run twice (a lost reply re-sent by redis-py) or late (a command held up
-past the socket timeout) change nothing; leases use the provider's shared clock; a caller
+past the socket timeout) change nothing; leases use the server's clock, whatever the
+callers' clocks say; a caller
 that slept to its slot never calls a paused provider. Real redis-server and cluster."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from tests.resend import Resending
 from usage_limits._scripts import script
-from usage_limits._semaphore import WAITER_TTL_S, LeaseSemaphore
+from usage_limits._semaphore import LEASE_CLOCK_TRUST_S, WAITER_TTL_S, LeaseSemaphore
 from usage_limits.exceptions import ProviderBusy
 from usage_limits.keys import provider_keys
 from usage_limits.throttle import ProviderThrottle, UpstreamRateLimited
@@ -112,33 +113,84 @@ async def test_resent_release_reports_the_release(client: Any, uid: str) -> None
 
 async def lease_call(sem: LeaseSemaphore, now_s: float, lease_id: str, *,
                      queue: bool = True) -> bool:
-    """Run the lease acquire script with an explicit caller clock; True when granted."""
+    """Run the lease acquire script as the library does, with an explicit caller clock."""
     reply = await script("throttle_lease_acquire")(sem._client, sem._keys, [
         f"{now_s * 1000:.3f}", sem.limit, f"{sem.lease_s * 1000:.3f}", lease_id,
-        f"{WAITER_TTL_S * 1000:.0f}", 1 if queue else 0])
+        f"{WAITER_TTL_S * 1000:.0f}", 1 if queue else 0, f"{LEASE_CLOCK_TRUST_S * 1000:.3f}"])
     return bool(int(reply[0]))
 
 
-async def test_fast_clock_does_not_expire_other_leases(client: Any, uid: str) -> None:
-    """A caller whose clock runs 12 s ahead cannot expire a 10 s lease taken after it was seen."""
-    sem = LeaseSemaphore(client, uid, 1, 10.0)
-    now = time.time()
-    assert await lease_call(sem, now + 12, "fast-1")
-    await sem.release("fast-1")
-    assert await lease_call(sem, now + 0.01, "normal")        # a caller with the true time
-    assert not await lease_call(sem, now + 12.1, "fast-2", queue=False)
-    assert await client.zscore(leases_key(uid), "normal") is not None
+async def server_s(client: Any) -> float:
+    """The Redis server's clock, epoch seconds."""
+    sec, usec = await client.time()
+    return sec + usec / 1e6
 
 
-async def test_slow_clock_lease_is_not_expired_early(client: Any, uid: str) -> None:
-    """A lease taken by a caller whose clock runs 8 s behind still lasts its whole lease time."""
-    sem = LeaseSemaphore(client, uid, 1, 10.0)
-    now = time.time()
-    assert await lease_call(sem, now, "first")
-    await sem.release("first")
-    assert await lease_call(sem, now - 8, "slow")
-    assert not await lease_call(sem, now + 5, "normal", queue=False)
-    assert await lease_call(sem, now + 10.01, "normal", queue=False)
+class Skewed:
+    """A stand-in for the ``time`` module whose clock runs ``offset_s`` off the true time."""
+
+    def __init__(self, offset_s: float) -> None:
+        self.offset_s = offset_s
+
+    def time(self) -> float:
+        return time.time() + self.offset_s
+
+
+@pytest.mark.parametrize("offset_s", [5.0, 1e6])
+async def test_a_clock_far_ahead_does_not_expire_a_live_lease(client: Any, uid: str,
+                                                             offset_s: float) -> None:
+    """A caller whose clock runs more than lease_s ahead finds a live lease live, and
+    leaves the lease clock on the server's time."""
+    sem = LeaseSemaphore(client, uid, 1, 2.0)
+    assert await lease_call(sem, time.time(), "holder")
+    before = await client.zscore(leases_key(uid), "holder")
+    assert not await lease_call(sem, time.time() + offset_s, "fast", queue=False)
+    assert not await lease_call(sem, time.time() + offset_s, "fast-2", queue=False)
+    assert await client.zscore(leases_key(uid), "holder") == before
+    [clock_key] = provider_keys(uid, "lclock")
+    assert float(await client.get(clock_key)) / 1000 <= await server_s(client)
+
+
+@pytest.mark.parametrize("offset_s", [-5.0, -1e6])
+async def test_a_holder_whose_clock_runs_behind_gets_a_whole_lease(client: Any, uid: str,
+                                                                  offset_s: float) -> None:
+    """A lease taken by a caller whose clock runs more than lease_s behind expires lease_s
+    after its grant on the server's clock, so a caller with the true time finds it live."""
+    sem = LeaseSemaphore(client, uid, 1, 2.0)
+    granted_at = await server_s(client)
+    assert await lease_call(sem, time.time() + offset_s, "slow")
+    expiry = float(await client.zscore(leases_key(uid), "slow")) / 1000
+    assert granted_at + 2.0 <= expiry <= await server_s(client) + 2.0
+    assert not await lease_call(sem, time.time(), "normal", queue=False)
+
+
+async def test_a_dead_holders_lease_frees_on_the_servers_clock(client: Any, uid: str) -> None:
+    """A holder that never releases frees its place lease_s after its grant, on the server's
+    clock, for callers whose clocks run far behind or ahead alike."""
+    sem = LeaseSemaphore(client, uid, 1, 0.2)
+    assert await lease_call(sem, time.time() + 1e6, "dead")
+    expiry = float(await client.zscore(leases_key(uid), "dead")) / 1000
+    while await server_s(client) <= expiry:
+        assert not await lease_call(sem, time.time() - 1e6, "behind", queue=False)
+        await asyncio.sleep(0.02)
+    assert await lease_call(sem, time.time() - 1e6, "behind", queue=False)
+
+
+async def test_skewed_callers_wait_by_the_lease_clock(client: Any, uid: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller whose clock runs far ahead is told to retry after the holder's remaining
+    lease time, not after nothing or after its own clock's lead."""
+    holder = ProviderThrottle(client, uid, rate=1000, burst=10, max_concurrency=1,
+                              lease_s=3, jitter_s=0)
+    async with holder.slot(max_wait_s=1):
+        monkeypatch.setattr("usage_limits._semaphore.time", Skewed(60.0))
+        with pytest.raises(ProviderBusy) as busy:
+            async with ProviderThrottle(client, uid, rate=1000, burst=10, max_concurrency=1,
+                                        lease_s=3, jitter_s=0).slot(max_wait_s=0):
+                pass
+        monkeypatch.undo()
+        assert 2.0 < busy.value.retry_after_s <= 3.0
+    assert await client.zcard(leases_key(uid)) == 0
 
 
 async def test_callers_that_slept_do_not_call_a_paused_provider(client: Any, uid: str) -> None:

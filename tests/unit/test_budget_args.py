@@ -114,13 +114,26 @@ def test_reserve_arguments_follow_the_script_header() -> None:
     then the plan in one."""
     keys, args = budget()._reserve_call("alice", "req-1", 8, "/v1/structured", tuple(PLAN),
                                         1_000, "abcd")
-    assert keys == ["ul:{u:alice}:log", "ul:{u:alice}:ev", "ul:{u:alice}:meta"]
+    assert keys == ["ul:{u:alice}:log", "ul:{u:alice}:ev", "ul:{u:alice}:meta",
+                    "ul:{u:alice}:pv"]
     assert args == [struct.pack("<3d", 1_000, 8, 60_000), "req-1", "8 abcd /v1/structured",
                     struct.pack("<4d", 3_600_000, 100, 2_592_000_000, 1_000)]
 
 
+def test_a_held_reservation_sends_its_hold_as_a_fourth_number() -> None:
+    """A provisional reservation sends now, cost, margin and the hold in ms; a hold that is
+    not an integer in range is refused before Redis is touched."""
+    _, args = budget()._reserve_call("alice", "req-1", 8, "", tuple(PLAN), 1_000, "abcd",
+                                     hold_ms=35_000)
+    assert args[0] == struct.pack("<4d", 1_000, 8, 60_000, 35_000)
+    for bad in (-1, 1.5, True, 86_400_001):
+        with pytest.raises(InvalidArgument):
+            budget()._reserve_call("alice", "req-1", 8, "", tuple(PLAN), 1_000, "abcd",
+                                   hold_ms=bad)
+
+
 @pytest.mark.parametrize("name", ["budget_reserve", "budget_usage", "budget_refund",
-                                  "budget_ent_load", "budget_ent_invalidate"])
+                                  "budget_ent_load", "budget_ent_invalidate", "budget_hold"])
 def test_scripts_name_every_key_and_argument_in_their_header(name: str) -> None:
     """Each script's header names every KEYS[i] and ARGV[i] it reads, copied into locals."""
     source = lua(name)

@@ -10,8 +10,10 @@ least every ``WAITER_TTL_S / 3``; a dead waiter leaves the queue on its own.
 Every script call is idempotent: a re-sent acquire (redis-py re-sends a script whose reply
 was lost) finds the caller's own lease and answers "granted" instead of queueing the caller
 behind itself, and a released id (a caller that left) is never granted again, so an acquire
-held up in the network cannot leak a lease. Expiries are kept on the provider's shared
-lease clock (the latest caller time seen), not on each caller's own clock.
+held up in the network cannot leak a lease. Expiries are kept on the provider's lease
+clock: the server's clock (never running back), with a caller's clock trusted only within
+``LEASE_CLOCK_TRUST_S`` of it (``lua/_lease_clock.lua``), so no caller's clock, however
+far off, shortens or lengthens another caller's lease. Waits are computed on that clock too.
 
 Waking up: a release publishes on the provider's channel. On a standalone client, one
 subscription per process and provider (alive only while somebody waits) turns messages
@@ -47,6 +49,9 @@ SUBSCRIBED_POLL_S = 0.5
 #: Polling without pub/sub: this much per place still missing, at most POLL_MAX_S.
 POLL_STEP_S = 0.02
 POLL_MAX_S = 0.25
+#: How far a caller's clock is trusted from the Redis server's for lease expiries: none,
+#: the server's clock alone decides.
+LEASE_CLOCK_TRUST_S = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +62,23 @@ class LeaseCheck:
         granted: the lease is held now.
         rank: 0-based place in the queue, -1 when not queued.
         free: leases free at the time of the check (may be <= 0).
-        expiry_at: epoch seconds (on the provider's shared lease clock) when to check again
+        expiry_at: epoch seconds (on the provider's lease clock) when to check again
             at the latest: enough leases will have expired for this caller's turn, or a
             queue entry ahead expires (None: unknown).
+        clock_at: epoch seconds on the lease clock when the check ran; ``expiry_at -
+            clock_at`` is the wait, whatever this caller's own clock says.
     """
 
     granted: bool
     rank: int
     free: int
     expiry_at: float | None
+    clock_at: float
+
+    @property
+    def wait_s(self) -> float | None:
+        """Seconds until ``expiry_at`` (None: unknown)."""
+        return None if self.expiry_at is None else self.expiry_at - self.clock_at
 
     @property
     def missing(self) -> int:
@@ -119,8 +132,8 @@ class LeaseSemaphore:
                     pause = min(left, WAITER_TTL_S / 3,
                                 SUBSCRIBED_POLL_S if subscribed else
                                 min(POLL_MAX_S, POLL_STEP_S * check.missing))
-                    if check.expiry_at is not None:
-                        pause = min(pause, max(0.001, check.expiry_at - time.time() + 0.001))
+                    if check.wait_s is not None:
+                        pause = min(pause, max(0.001, check.wait_s + 0.001))
                     if wakeups is not None and subscribed:
                         await wakeups.wait(seen + check.missing, pause)
                     else:
@@ -142,7 +155,8 @@ class LeaseSemaphore:
             released = await script("throttle_lease_release")(
                 self._client, self._keys, [lease_id, self._channel,
                                            f"{time.time() * 1000:.3f}",
-                                           f"{self.lease_s * 1000:.3f}"])
+                                           f"{self.lease_s * 1000:.3f}",
+                                           f"{LEASE_CLOCK_TRUST_S * 1000:.3f}"])
         except LimiterUnavailable as exc:
             log.warning("could not release a %s lease (it expires by itself): %s",
                         self.provider, exc)
@@ -152,16 +166,16 @@ class LeaseSemaphore:
     async def _check(self, lease_id: str, *, queue: bool) -> LeaseCheck:
         reply = await script("throttle_lease_acquire")(self._client, self._keys, [
             f"{time.time() * 1000:.3f}", self.limit, f"{self.lease_s * 1000:.3f}", lease_id,
-            f"{WAITER_TTL_S * 1000:.0f}", 1 if queue else 0])
+            f"{WAITER_TTL_S * 1000:.0f}", 1 if queue else 0,
+            f"{LEASE_CLOCK_TRUST_S * 1000:.3f}"])
         expiry = reply[3]
         return LeaseCheck(granted=bool(int(reply[0])), rank=int(reply[1]), free=int(reply[2]),
-                          expiry_at=float(expiry) / 1000 if expiry else None)
+                          expiry_at=float(expiry) / 1000 if expiry else None,
+                          clock_at=float(reply[4]) / 1000)
 
     def _busy(self, check: LeaseCheck) -> ProviderBusy:
-        if check.expiry_at is not None:
-            retry_after = max(0.001, check.expiry_at - time.time())
-        else:
-            retry_after = self.lease_s
+        wait = check.wait_s
+        retry_after = self.lease_s if wait is None else max(0.001, wait)
         return ProviderBusy(self.provider, retry_after,
                             f"provider {self.provider!r} has {self.limit} calls in flight; "
                             f"retry after {retry_after:.3f}s")

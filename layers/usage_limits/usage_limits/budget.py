@@ -103,6 +103,10 @@ MAX_NONCE_LENGTH = 64
 #: Random bytes in a nonce made by ``new_nonce``: two calls of one id collide with
 #: probability 2**-64.
 NONCE_BYTES = 8
+#: Longest hold of a provisional charge accepted (``reserve(hold_ms=...)``): a day, ms.
+MAX_HOLD_MS = 86_400_000
+#: Expired provisional charges one ``hold`` call claims, by default.
+HOLD_CLAIM = 8
 #: Default and largest number of spend events returned by ``usage``.
 DEFAULT_EVENTS = 50
 MAX_EVENTS = 1000
@@ -325,6 +329,37 @@ class Lowered:
 
 
 @dataclass(frozen=True)
+class Claimed:
+    """A provisional charge never confirmed, claimed to be refunded (``TokenBudget.hold``).
+
+    Attributes:
+        request_id: the charge's id.
+        nonce: the nonce of the reservation that made it: refund it with this one.
+        cost: tokens it holds.
+        drew: it drew credit from grants (refund it through the record of truth first).
+    """
+
+    request_id: str
+    nonce: str
+    cost: int
+    drew: bool
+
+
+@dataclass(frozen=True)
+class Held:
+    """What ``TokenBudget.hold`` did.
+
+    Attributes:
+        confirmed: True: the charge is confirmed and stands; False: it is gone or claimed
+            (its request must answer that it failed); None: no charge was named.
+        claimed: the user's expired provisional charges to refund now.
+    """
+
+    confirmed: bool | None
+    claimed: tuple[Claimed, ...] = ()
+
+
+@dataclass(frozen=True)
 class Crossing:
     """A charge took a window's usage across a threshold.
 
@@ -467,7 +502,8 @@ class TokenBudget:
 
     async def reserve(self, user_id: str, request_id: str, cost: int, *, route: str = "",
                       windows: Sequence[Window] | None = None, plan_name: str = "",
-                      now_ms: int | None = None, nonce: str | None = None) -> Reservation:
+                      now_ms: int | None = None, nonce: str | None = None,
+                      hold_ms: int = 0) -> Reservation:
         """Charge ``cost`` tokens for ``request_id`` if it fits every window.
 
         Args:
@@ -482,6 +518,9 @@ class TokenBudget:
             now_ms: the caller's clock, ms since the epoch; ``time.time()`` when None.
             nonce: this call's nonce (``new_nonce()`` when None). A caller that may have to
                 refund a charge whose reply it never got draws it first and keeps it.
+            hold_ms: > 0: the charge is provisional: unless ``hold`` confirms it, any
+                request of the user may undo it from ``hold_ms`` after now on (0: it is
+                not, and no earlier provisional charge of the id can claim it).
 
         Returns:
             A ``Reservation``; ``allowed`` is False when any window lacks room (nothing is
@@ -501,7 +540,7 @@ class TokenBudget:
             plan = self._caller_plan(windows, plan_name)
         nonce = new_nonce() if nonce is None else _check_nonce(nonce)
         keys, args = self._reserve_call(user_id, request_id, cost, route, plan, now_ms, nonce,
-                                        plan_name)
+                                        plan_name, hold_ms)
         reply = await script("budget_reserve")(self.redis, keys, args)
         if not self.entitlements:
             return _decode_reservation(reply, cost, plan, nonce, plan_name=plan_name)
@@ -634,6 +673,41 @@ class TokenBudget:
         returned = tuple((_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat) - 1, 2))
         return Lowered(int(reply[0]) == 1, returned, int(reply[1]) if returned else 0,
                        int(reply[3]) == 1)
+
+    async def hold(self, user_id: str, request_id: str = "", *, nonce: str = "",
+                   now_ms: int | None = None, claim: int = HOLD_CLAIM) -> Held:
+        """Confirm a provisional charge, and claim the user's expired ones to refund.
+
+        A request that reserved with ``hold_ms`` confirms its charge here when it succeeds,
+        before its answer goes out (``budget_hold.lua``). Expired charges of the user that
+        were never confirmed are claimed: their own requests can no longer confirm them,
+        and the caller refunds each with its nonce (``Claimed``).
+
+        Args:
+            request_id: the charge to confirm ('' : only claim).
+            nonce: the nonce of the reservation that made it.
+            now_ms: the caller's clock; ``time.time()`` when None.
+            claim: claim at most this many expired charges (0: none).
+
+        Returns:
+            A ``Held``.
+
+        Raises:
+            InvalidArgument: a malformed argument.
+            LimiterUnavailable: Redis could not be reached or did not answer in time.
+        """
+        if request_id:
+            _check_request_id(request_id)
+            _check_nonce(nonce)
+        if not _is_int(claim) or not 0 <= claim <= 100:
+            raise InvalidArgument(f"claim must be an integer 0..100, not {claim!r}")
+        keys = _user_keys(user_id, *(("ev", "pv", "dr") if self.entitlements else ("ev", "pv")))
+        reply = await script("budget_hold")(self.redis, keys,
+                                            [_now_ms(now_ms), request_id, nonce, claim])
+        flag = int(reply[0])
+        claimed = tuple(Claimed(_text(reply[i]), _text(reply[i + 1]), int(reply[i + 2]),
+                                int(reply[i + 3]) == 1) for i in range(1, len(reply) - 3, 4))
+        return Held(None if flag < 0 else flag == 1, claimed)
 
     def _restore_arg(self, crossings: Sequence[Crossing]) -> str:
         """budget_refund.lua's ``uncross``: per window, the level before its lowest crossing
@@ -812,12 +886,16 @@ class TokenBudget:
 
     def _reserve_call(self, user_id: str, request_id: str, cost: int, route: str,
                       plan: tuple[Window, ...], now_ms: int | None,
-                      nonce: str, plan_name: str = "") -> tuple[list[str], list[Any]]:
+                      nonce: str, plan_name: str = "",
+                      hold_ms: int = 0) -> tuple[list[str], list[Any]]:
         """Validate a reservation and build the script's keys and arguments.
 
         Benchmarks and tests use this to pipeline many reservations through the real script.
         """
         keys = _user_keys(user_id, *(_ENTITLED_KEYS if self.entitlements else ()))
+        if not _is_int(hold_ms) or not 0 <= hold_ms <= MAX_HOLD_MS:
+            raise InvalidArgument(f"hold_ms must be an integer 0..{MAX_HOLD_MS}, not {hold_ms!r}")
+        keys = [*keys, *_user_keys(user_id, "pv")]  # a new charge always sets its pv entry
         _check_request_id(request_id)
         if not _is_int(cost) or not 1 <= cost <= MAX_TOKENS:
             raise InvalidArgument(f"cost must be an integer >= 1, not {cost!r}")
@@ -836,7 +914,8 @@ class TokenBudget:
             raise CostExceedsLimit(
                 f"cost {cost} exceeds the limit {w.limit} of the {w.seconds:g} s window",
                 cost=cost, limit=w.limit, window_s=float(w.seconds))
-        numbers = struct.pack("<3d", now, cost, self.key_margin_ms)
+        numbers = (struct.pack("<4d", now, cost, self.key_margin_ms, hold_ms) if hold_ms
+                   else struct.pack("<3d", now, cost, self.key_margin_ms))
         record = f"{cost} {nonce} {route}"
         if not self.entitlements:
             return keys, [numbers, request_id, record, *tail, *self._thresholds]

@@ -12,10 +12,15 @@ KEYS[3]  meta        hash: m, the key's clock (it never runs back) and per windo
                      oldest event counted, so that most calls read no range of the log
                      (_budget_meta.lua); with entitlements on also lp, "<ms> <plan name>"
                      of the last charge (what the operator's view shows)
-ARGV[1]  numbers     now_ms, cost and margin_ms as three little-endian doubles (struct '<ddd'):
+ARGV[1]  numbers     now_ms, cost and margin_ms as three little-endian doubles (struct '<ddd'),
+                     optionally a fourth, hold_ms:
                        now_ms     caller's clock, ms since the epoch (integer)
                        cost       tokens to charge (integer >= 1)
                        margin_ms  keys live this long past the longest window, ms (>= 0)
+                       hold_ms    with the pv key: the charge is provisional until confirmed
+                                  (budget_hold.lua); from now + hold_ms on, any request of the
+                                  user may undo it (0 or absent: not provisional, and with
+                                  the pv key, the id is taken out of pv)
 ARGV[2]  request_id  the charge's id (printable, at most 256 characters)
 ARGV[3]  record      "<cost> <nonce> <route>", stored as the charge's ev record as it is:
                        nonce  random per call, no spaces: tells a client's re-send of this
@@ -29,6 +34,9 @@ ARGV[4]  plan        the windows, shortest first, binary: per window its length 
 ARGV[5]  thresholds  optional: usage thresholds, the margin in percentage points then the
                      percents of a window's limit, ascending, as little-endian doubles
                      (_budget_thresholds.lua); absent or '' = none
+KEYS[4] (entitlements off) or KEYS[6] (on), optional:
+         pv          zset: request id -> when its provisional charge may be undone, ms on the
+                     key's clock (-1: being undone); see budget_hold.lua
 (Few arguments, each cheap to read: the client encodes, and Redis and Lua take in, one
 string per argument on every call.)
 
@@ -55,7 +63,8 @@ otherwise a rejection waits until the quota frees need - credit tokens. Each gra
 tokens to <= low%) and "exhausted" (remaining 0) once.
 
 Run twice with the same arguments (redis-py re-sends a call whose reply was lost): the second
-run finds the id charged with its own nonce and answers status 1 again, charging nothing.
+run finds the id charged with its own nonce and answers status 1 again, charging nothing
+(and holding nothing more: the first run's pv entry stands).
 
 Returns {status, retry_after_ms, binding, then per plan window: used, resets_at_ms}
   (entitlements on: {status, retry_after_ms, binding, ent, then per window of the plan used})
@@ -92,6 +101,8 @@ local ent_key = KEYS[4]
 local dr_key = KEYS[5]
 
 local now_arg, cost, margin_ms = struct.unpack('<ddd', ARGV[1])
+local hold_ms = #ARGV[1] >= 32 and select(4, struct.unpack('<dddd', ARGV[1])) or 0
+local pv_key = (#KEYS == 4 or #KEYS == 6) and KEYS[#KEYS] or nil
 local request_id = ARGV[2]
 local record = ARGV[3]
 local plan = ARGV[4]
@@ -106,6 +117,24 @@ end
 
 --#include _budget_meta.lua  (meta's one-field layout)
 --#include _budget_thresholds.lua  (usage-threshold crossings)
+
+-- A new charge is provisional (when asked): it may be undone from `now + hold_ms` on unless
+-- confirmed; one that is not provisional takes the id out of pv (an entry left by an
+-- earlier charge of the id must never claim this one). pv lives as long as the log may
+-- still count the charge, so an unconfirmed charge can never outlive its pv entry.
+local function hold(now)
+  if not pv_key then return end
+  if hold_ms <= 0 then
+    redis.call('ZREM', pv_key, request_id)
+    return
+  end
+  redis.call('ZADD', pv_key, now + hold_ms, request_id)
+  local longest = call_windows[#call_windows]
+  if redis.call('PTTL', pv_key) < longest + margin_ms + hold_ms then
+    redis.call('PEXPIRE', pv_key, math.ceil(longest + margin_ms + hold_ms
+                                            + math.min(longest, 3600000)))
+  end
+end
 
 -- (Entitlements on) an operator's override: when `name` (ent's plan) names a plan of the
 -- catalog, the call uses that plan: plan_name, call_windows and limits become its. An
@@ -201,6 +230,7 @@ do
       local due = v[last + F] == -1 or redis.call('PTTL', meta_key) < longest + margin_ms
       if redis.call('ZADD', log_key, 'NX', now, request_id) == 1 then
         redis.call('HSET', ev_key, request_id, record)
+        hold(now)
         -- reply: status, retry, binding, (entitlements on: the ent block: nothing drawn,
         -- the live credit, not suspended), then per window used and resets_at
         local out, at = {1, 0, 0}, 3
@@ -462,6 +492,7 @@ if fits then
   -- NX: an id already counted keeps its charge (a duplicate, answered below)
   if added() then
     redis.call('HSET', ev_key, request_id, record)
+    hold(now)
     if drawn > 0 then
       -- the draws become real: remaining, credit crossings, the dr record, every d:<W>
       local low = tonumber(string.match(entitled_arg, '^%S* (%d+)'))

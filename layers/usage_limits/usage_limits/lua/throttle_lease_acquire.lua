@@ -7,10 +7,10 @@ is granted only when it is among the first `free` queued callers, so nobody over
 queued caller must come back (call again) before its queue entry expires, so a dead waiter
 blocks nobody for longer than waiter_ttl_ms.
 
-Clock: every expiry is set and compared on the provider's shared lease clock, the latest
-caller time seen (it never runs back), not on the caller's own clock. A caller whose clock
-runs behind still gets a whole lease; one whose clock runs ahead moves the shared clock once,
-after which leases are granted on that clock too, so it cannot keep expiring them early.
+Clock: every expiry is set and compared on the provider's lease clock (_lease_clock.lua):
+the server's clock, never running back, with the caller's clock trusted only within
+trust_ms of it (the library sends 0). A caller whose clock runs ahead or behind, by any
+amount, moves no lease's expiry by more than trust_ms.
 
 Idempotent per call: a caller that holds a live lease is answered "granted" again (redis-py
 re-sends a script whose reply was lost; the caller must not queue behind its own lease), and
@@ -28,14 +28,17 @@ ARGV[3]  lease_ms       lease length, ms
 ARGV[4]  id             the caller's lease id (random; the same on every call of one wait)
 ARGV[5]  waiter_ttl_ms  how long a queue entry lives without the caller coming back, ms
 ARGV[6]  queue          1: join (or stay in) the queue when not granted; 0: try only
+ARGV[7]  trust_ms       how far the caller's clock is trusted from the server's, ms
+                        (absent: 0, the server's clock alone)
 
-Returns {granted, rank, free, expiry_ms}:
+Returns {granted, rank, free, expiry_ms, clock_ms}:
   granted    1 when the lease is held (the caller holds it until released or expired)
   rank       0-based place in the queue (-1 when not queued)
   free       leases free now (limit minus live leases; may be <= 0)
   expiry_ms  (string) when to check again at the latest, on the shared clock: enough live
              leases will have expired for this caller's turn, or a queue entry expires;
              "" when not known
+  clock_ms   (string) the lease clock this call ran at: a wait is expiry_ms - clock_ms
 ]]
 local leases, waiters, wexpiry, clock_key, released = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local limit = tonumber(ARGV[2])
@@ -44,13 +47,16 @@ local id = ARGV[4]
 local waiter_ttl = tonumber(ARGV[5])
 local queue = ARGV[6] == '1'
 
+--#include _lease_clock.lua  (the lease clock)
+
 -- Keys expire after their newest entry; never shorten a longer expiry.
 local function keep(key, ms)
   if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, ms) end
 end
 
-local now = math.max(tonumber(redis.call('GET', clock_key)) or 0, tonumber(ARGV[1]))
-redis.call('SET', clock_key, string.format('%.3f', now), 'KEEPTTL')
+local now = lease_clock_now(clock_key, ARGV[1], ARGV[7])
+local at = string.format('%.3f', now)
+redis.call('SET', clock_key, at, 'KEEPTTL')
 keep(clock_key, math.ceil(math.max(lease_ms, waiter_ttl)) + 1000)
 
 -- Expired leases (dead holders), expired queue entries (dead waiters) and old tombstones.
@@ -65,10 +71,10 @@ end
 local held = redis.call('ZCARD', leases)
 local free = limit - held
 if redis.call('ZSCORE', leases, id) then
-  return {1, -1, free, ''}  -- this call ran before: the caller holds its lease
+  return {1, -1, free, '', at}  -- this call ran before: the caller holds its lease
 end
 if redis.call('ZSCORE', released, id) then
-  return {0, -1, free, ''}  -- the caller released this id and left: nothing to grant
+  return {0, -1, free, '', at}  -- the caller released this id and left: nothing to grant
 end
 
 local rank = redis.call('ZRANK', waiters, id)
@@ -88,11 +94,11 @@ if rank < free then
   redis.call('ZREM', wexpiry, id)
   redis.call('ZADD', leases, now + lease_ms, id)
   keep(leases, math.ceil(lease_ms) + 1000)
-  return {1, -1, free - 1, ''}
+  return {1, -1, free - 1, '', at}
 end
 
 if not queue then
-  return {0, -1, free, ''}
+  return {0, -1, free, '', at}
 end
 
 redis.call('ZADD', wexpiry, now + waiter_ttl, id)
@@ -111,5 +117,5 @@ local first = redis.call('ZRANGE', wexpiry, 0, 0, 'WITHSCORES')
 if first[2] and first[1] ~= id and (expiry == nil or tonumber(first[2]) < expiry) then
   expiry = tonumber(first[2])
 end
-if expiry == nil then return {0, rank, free, ''} end
-return {0, rank, free, string.format('%.3f', expiry)}
+if expiry == nil then return {0, rank, free, '', at} end
+return {0, rank, free, string.format('%.3f', expiry), at}

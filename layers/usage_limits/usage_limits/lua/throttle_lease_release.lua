@@ -19,6 +19,8 @@ ARGV[1]  id        the lease id
 ARGV[2]  channel   pub/sub channel of the provider's wake-ups
 ARGV[3]  now_ms    caller's clock, ms since the epoch (float)
 ARGV[4]  lease_ms  lease length, ms (how long the tombstone is kept)
+ARGV[5]  trust_ms  how far the caller's clock is trusted from the server's, ms (absent: 0;
+                   see _lease_clock.lua)
 
 Returns 1 when a live lease was released, 0 when there was none (already expired or never
 held).
@@ -28,12 +30,14 @@ local id = ARGV[1]
 local channel = ARGV[2]
 local lease_ms = tonumber(ARGV[4])
 
+--#include _lease_clock.lua  (the lease clock)
+
 local tomb = redis.call('ZSCORE', released, id)
 if tomb then
   return math.floor(tonumber(tomb)) == tonumber(tomb) and 0 or 1
 end
 
-local now = math.max(tonumber(redis.call('GET', clock_key)) or 0, tonumber(ARGV[3]))
+local now = lease_clock_now(clock_key, ARGV[3], ARGV[5])
 -- Leases are compared on the shared clock: one already past its expiry is not "released".
 local score = redis.call('ZSCORE', leases, id)
 local live = score and tonumber(score) > now

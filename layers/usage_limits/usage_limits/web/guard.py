@@ -37,7 +37,7 @@ from ..entitlements.exceptions import StoreUnavailable
 from ..entitlements.models import iso
 from ..entitlements.plans import Plan
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
-from . import events, identity, records, refunds, runtime
+from . import events, holds, identity, records, refunds, runtime
 from . import observability as obs
 from .charge import Charge, CreditPending
 from .costs import Cost, price
@@ -236,13 +236,20 @@ class TokenGuard:
             raise InvalidArgument(f"the route takes no {declared.model.__name__} to price")
         return declared.of(model)
 
-    async def charge(self, state: RequestState, cost: int, route: str) -> Charge:
+    async def charge(self, state: RequestState, cost: int, route: str, *,
+                     again: bool = False) -> Charge:
         """Reserve ``cost`` tokens for the prepared charge, or raise the public error.
+
+        The charge is provisional (``web.holds``): the middleware confirms it when the
+        request succeeds. A refusal (429) or an id already charged (409) first undoes the
+        user's expired provisional charges, and when that freed this id or some room, the
+        reservation is made once more.
 
         Args:
             state: the request's state, with the charge ``prepare`` made.
             cost: tokens to reserve.
             route: the name recorded on the spend event.
+            again: this is that second reservation.
 
         Returns:
             The charge, now holding ``cost`` tokens (also ``state.charge``).
@@ -261,13 +268,15 @@ class TokenGuard:
         user, rid, budget, ent = charge.user_id, charge.request_id, charge.budget, \
             charge.entitlements
         nonce = new_nonce()
+        hold_ms = holds.hold_ms(state.remaining_ms)
         try:
             if ent is None:
                 reservation = await budget.reserve(user, rid, cost=cost, route=route,
-                                                   nonce=nonce)
+                                                   nonce=nonce, hold_ms=hold_ms)
             else:  # loads the user's entitlements first when the cache has none
                 reservation = await ent.reserve(budget, user, rid, cost, route=route,
-                                                nonce=nonce, plan_name=state.plan_name)
+                                                nonce=nonce, plan_name=state.plan_name,
+                                                hold_ms=hold_ms)
         except LimiterUnavailable as exc:
             # Redis may have made the charge and lost only its reply (a kill or a timeout
             # after the script ran): refund it later, when Redis answers again. The refund
@@ -290,6 +299,10 @@ class TokenGuard:
             _check_entitlements(reservation)
             state.plan_name = reservation.plan_name or state.plan_name
         state.reservation = reservation
+        if reservation.status in ("duplicate", "rejected") and not again:
+            undone = await holds.undo(budget, ent, user)
+            if undone and (reservation.status == "rejected" or rid in undone):
+                return await self.charge(state, cost, route, again=True)
         if not reservation.allowed:
             obs.count(obs.BUDGET_REJECTED)
             extra = {} if ent is None else {"credit": reservation.credit or 0}

@@ -44,10 +44,10 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..deadline import deadline_scope, request_budget_s
-from . import events, identity, records, refunds
+from . import events, holds, identity, records, refunds
 from . import idempotency as idem
 from . import observability as obs
-from .errors import ApiError, current_request_id, error_response
+from .errors import LIMITER_UNAVAILABLE_CODE, ApiError, current_request_id, error_response
 from .guard import STATE_KEY, RequestState
 from .settings import settings
 
@@ -140,6 +140,8 @@ class UsageLimitsMiddleware:
         response_body: list[bytes] = []
         held: list[Message] = []  # a failed request's answer, sent once its refund is done
         refund: _Refund | None = None
+        withheld = False  # a success whose charge could not be confirmed: answered 503
+        claimed: tuple[Any, ...] = ()  # the user's expired charges, claimed by the confirm
 
         async def refund_once() -> _Refund:
             nonlocal refund
@@ -160,10 +162,21 @@ class UsageLimitsMiddleware:
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal status, response_headers
+            nonlocal status, response_headers, withheld, claimed
+            if withheld:
+                return  # the success's body: its answer was replaced
             if message["type"] == "http.response.start":
                 status = message["status"]
                 response_headers = list(message.get("headers", []))
+                charge = state.charge
+                if charge is not None and status < 400 and charge.cost > 0:
+                    # a success stands only with its charge confirmed (web.holds)
+                    confirmed, claimed = await holds.confirm(charge, cleanup.left_s())
+                    if not confirmed:
+                        withheld, status = True, 503
+                        held.extend(_unconfirmed())
+                        await send_held()
+                        return
                 if state.charge is not None and status >= 400:
                     held.append(message)  # refund first, so that the answer tells the truth
                     return
@@ -199,6 +212,9 @@ class UsageLimitsMiddleware:
                 await refund_once()
             if held:  # the route stopped sending half way
                 await send_held()
+            if claimed and charge is not None:  # the user's charges never confirmed
+                await holds.undo(charge.budget, charge.entitlements, charge.user_id, claimed,
+                                 cleanup.left_s())
             refunded = refund.tokens if refund is not None else 0
             record = state.claimed
             if record is not None:
@@ -218,6 +234,25 @@ class UsageLimitsMiddleware:
                 "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 2),
                 "tokens_charged": charge.cost if charge is not None else 0,
                 "tokens_refunded": refunded})
+
+
+#: The answer of a success whose charge could not be confirmed (``web.holds``).
+UNCONFIRMED = ("the usage limiter could not confirm this request's charge, so its answer is "
+               "withheld; tokens refunded")
+
+
+def _unconfirmed() -> list[Message]:
+    """The 503 that replaces a success whose charge could not be confirmed: start and body.
+
+    Sent through the failed-request path: the charge is refunded first, and the message
+    says so when that refund did not finish.
+    """
+    body = json.dumps({"error": {"code": LIMITER_UNAVAILABLE_CODE, "message": UNCONFIRMED,
+                                 "request_id": current_request_id.get()}}).encode()
+    obs.count(obs.LIMITER_UNAVAILABLE)
+    return [{"type": "http.response.start", "status": 503,
+             "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]},
+            {"type": "http.response.body", "body": body, "more_body": False}]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,14 @@ for _path in (ROOT, ROOT / "layers" / "usage_limits", ROOT / "layers" / "provide
         sys.path.insert(0, str(_path))
 
 from local.credit_load import (  # noqa: E402
-    Target, ledger, one_request, operator_change, operator_for, redis_client, store_for)
+    Target,
+    ledger,
+    one_request,
+    operator_change,
+    operator_for,
+    redis_client,
+    store_for,
+)
 
 #: The user's paid grant: large enough that exhaustion is not what the run measures.
 GRANT = 100_000
@@ -138,9 +145,12 @@ def phase(pool: Any, target: Target, url: str, table: str, rate: float, processe
     unavailable = [o for o in outcomes if o["status"] == "unavailable"]
     records = {(c.request_id, c.nonce): c for c in store.charge_records(user)}
     # a 503 saying "nothing was charged" must hold no credit in the record of truth
-    untrue = sum(1 for o in unavailable if "nothing was charged" in o["message"]
-                 and any(records.get((o["request_id"], o["nonce"])) and
-                         records[(o["request_id"], o["nonce"])].consumed.values()))
+    untrue = 0
+    for o in unavailable:
+        record = records.get((o["request_id"], o["nonce"]))
+        if "nothing was charged" in o["message"] and record is not None \
+                and any(record.consumed.values()):
+            untrue += 1
     return {"rate": rate, "seconds": seconds, "changes": sum(made.values()),
             "made": dict(made), "requests": len(outcomes),
             "served": sum(o["status"] == "served" for o in outcomes),

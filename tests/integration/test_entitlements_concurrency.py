@@ -12,19 +12,14 @@ from typing import Any
 
 import pytest
 
+from local.credit_load import PLANS, Target, ledger, one_request, redis_client, store_for
 from local.dynamodb import DynamoServer
-from usage_limits.entitlements.config import StoreSettings
 from usage_limits.entitlements.store import EntitlementStore
 
 PROCESSES = 8
 ATTEMPTS = 12
 GRANT = 30
 COST = 2
-#: (limit, seconds): a quota of 2 tokens (one charge), so nearly every charge draws from the grant
-PLAN = [(1000, 3600.0), (2, 30 * 86400.0)]
-#: two names of the same windows, so that operator changes move the user between them
-PLANS = ("tiny", "tiny2")
-
 
 @pytest.fixture(scope="module")
 def dynamo(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[DynamoServer]:
@@ -42,82 +37,43 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
         yield mp_
 
 
-def _store(url: str, table: str) -> EntitlementStore:
-    return EntitlementStore(StoreSettings(table=table, endpoint_url=url, region="us-east-1",
-                                          read_timeout_s=10.0))
-
-
-async def _draw(target: tuple[str, list[tuple[str, int]]], url: str, table: str, user: str,
-                worker: int, start: Any) -> dict[str, int]:
-    """Reserve COST tokens ATTEMPTS times through the durable path, as the guard does: a
-    draw recorded before the provider call (503 when it cannot be), then every fourth
-    request fails (refund), every fourth is settled to 1 token, the rest keep their cost.
+async def _draw(target: Target, url: str, table: str, user: str, worker: int,
+                start: Any) -> dict[str, int]:
+    """Reserve COST tokens ATTEMPTS times through the durable path, as the guard does
+    (``local.credit_load.one_request``): every fourth request fails (refund), every fourth
+    is settled to 1 token, the rest keep their cost.
 
     Returns:
         What this worker saw: credit spent by served requests (drawn less what came back),
-        charges made, refused, and answered 503 because the draw could not be recorded.
+        charges served, refused, and answered 503 (the draw could not be recorded, or the
+        copy could not be loaded).
     """
-    import redis.asyncio as aioredis
-    from redis.asyncio.cluster import ClusterNode, RedisCluster
-
-    from usage_limits.budget import TokenBudget, Window
     from usage_limits.entitlements.cache import EntitlementCache
 
-    kind, nodes = target
-    client: Any = (RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                                socket_timeout=5.0) if kind == "cluster"
-                   else aioredis.Redis(host=nodes[0][0], port=nodes[0][1], socket_timeout=5.0))
-    windows = [Window(limit, seconds) for limit, seconds in PLAN]
-    budget = TokenBudget(client, windows, catalog=dict.fromkeys(PLANS, windows),
-                         entitlements=True)
-    store = _store(url, table)
-    cache = EntitlementCache(store)
-    seen = {"spent": 0, "rejected": 0, "unrecorded": 0, "charged": 0, "not_loaded": 0}
+    client = redis_client(target)
+    budget, cache = ledger(client), EntitlementCache(store_for(url, table))
+    seen = {"spent": 0, "rejected": 0, "unavailable": 0, "served": 0}
     try:
         await client.ping()
         start.wait()
         for i in range(ATTEMPTS):
-            rid, nonce = f"w{worker}-{i}", uuid.uuid4().hex
-            r = await cache.reserve(budget, user, rid, COST, nonce=nonce, plan_name="tiny")
-            if r.status != "charged":
-                seen["rejected" if r.status == "rejected" else "not_loaded"] += 1
-                continue
-            seen["charged"] += 1
-            state = "none" if r.drawn == 0 else await cache.commit_draw(budget, user, rid,
-                                                                        nonce, r)
-            if state not in ("none", "recorded"):  # what the guard does: refund, answer 503
-                seen["unrecorded"] += 1
-                await cache.lower(budget, user, rid, nonce, 0, state=state)
-                continue
-            back = 0
-            if i % 4 in (1, 2):  # a failed request's refund, or a settle to 1 token
-                done = await cache.lower(budget, user, rid, nonce, 0 if i % 4 == 1 else 1,
-                                         state=state)
-                assert done.settled
-                back = sum(n for _, n in done.returned)
-            seen["spent"] += r.drawn - back
+            o = await one_request(cache, budget, user, f"w{worker}-{i}", COST,
+                                  {1: 0, 2: 1}.get(i % 4))
+            seen[o.status] += 1
+            seen["spent"] += o.spent
     finally:
         await client.aclose()
     return seen
 
 
-async def _operator_changes(target: tuple[str, list[tuple[str, int]]], store: EntitlementStore,
-                            user: str, done: Any) -> int:
+async def _operator_changes(target: Target, store: EntitlementStore, user: str,
+                            done: Any) -> int:
     """Move the user between two plans of the same windows and flush the cache once, until
     the workers are done: every change reloads the user's copy mid-run."""
-    import redis.asyncio as aioredis
-    from redis.asyncio.cluster import ClusterNode, RedisCluster
-
-    from usage_limits.budget import TokenBudget, Window
     from usage_limits.entitlements.cache import EntitlementCache
 
-    kind, nodes = target
-    client: Any = (RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes])
-                   if kind == "cluster" else aioredis.Redis(host=nodes[0][0], port=nodes[0][1]))
-    windows = [Window(limit, seconds) for limit, seconds in PLAN]
-    budget = TokenBudget(client, windows, catalog=dict.fromkeys(PLANS, windows),
-                         entitlements=True)
-    cache = EntitlementCache(store)
+    client = redis_client(target)
+    budget, cache = ledger(client), EntitlementCache(store)
     changes = 0
     try:
         while not done.ready():
@@ -139,7 +95,7 @@ def _worker(args: tuple[Any, ...]) -> dict[str, int]:
 
 
 @pytest.fixture(params=["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
-def target(request: pytest.FixtureRequest) -> tuple[str, list[tuple[str, int]]]:
+def target(request: pytest.FixtureRequest) -> Target:
     if request.param == "cluster":
         cluster = request.getfixturevalue("redis_cluster")
         return "cluster", list(cluster.startup_nodes)
@@ -148,13 +104,13 @@ def target(request: pytest.FixtureRequest) -> tuple[str, list[tuple[str, int]]]:
 
 
 def test_eight_processes_keep_credit_exact_through_changes_and_a_flush(
-        target: tuple[str, list[tuple[str, int]]], dynamo: DynamoServer) -> None:
+        target: Target, dynamo: DynamoServer) -> None:
     """8 processes charging one user with a 30-token grant (refunds and settles mixed in)
     while operator changes reload the copy and one FLUSHALL drops it: DynamoDB's consumed
     equals the credit the served requests spent, exactly, equals its charge records, never
     exceeds the grant, and the user's copy shows the same."""
     user = "conc-" + uuid.uuid4().hex[:8]
-    store = _store(dynamo.url, dynamo.table)
+    store = store_for(dynamo.url, dynamo.table)
     store.create_grant(user, tokens=GRANT, kind="paid", reference="small",
                        expires_at_ms=None, actor="test", reason="concurrency")
     ctx = mp.get_context("spawn")
@@ -173,26 +129,17 @@ def test_eight_processes_keep_credit_exact_through_changes_and_a_flush(
     assert grant.consumed == spent == held
     assert 0 <= grant.consumed <= GRANT
     assert changes >= 3  # the flush and the changes landed while requests ran
-    charged = sum(r["charged"] - r["unrecorded"] for r in results)
+    charged = sum(r["served"] for r in results)
     assert charged * COST >= GRANT  # the grant was drawn to the end: the run is not vacuous
     assert sum(r["rejected"] for r in results) > 0
 
     async def cached() -> int:
-        import redis.asyncio as aioredis
-        from redis.asyncio.cluster import ClusterNode, RedisCluster
-
-        from usage_limits.budget import TokenBudget, Window
         from usage_limits.entitlements.cache import EntitlementCache
 
-        kind, nodes = target
-        client: Any = (RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes])
-                       if kind == "cluster" else aioredis.Redis(host=nodes[0][0],
-                                                                port=nodes[0][1]))
-        windows = [Window(limit, seconds) for limit, seconds in PLAN]
-        budget = TokenBudget(client, windows, catalog=dict.fromkeys(PLANS, windows),
-                             entitlements=True)
+        client = redis_client(target)
         try:
-            report = await EntitlementCache(store).usage(budget, user, plan_name="tiny")
+            report = await EntitlementCache(store).usage(ledger(client), user,
+                                                         plan_name=PLANS[0])
             return sum(g.remaining for g in report.grants)
         finally:
             await client.aclose()

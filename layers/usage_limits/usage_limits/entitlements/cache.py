@@ -51,17 +51,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("usage_limits.entitlements")
 
 #: Loads of one user's copy a single request may make before it gives up (503): one
-#: normally; more only while operator changes keep invalidating the copy it loads.
-MAX_LOADS = 3
+#: normally; more only while operator changes, or the other processes' loads after one,
+#: keep overtaking the copy it loads (3 let about 1 in 65 requests through 0.8 changes/s
+#: with 8 processes answer 503).
+MAX_LOADS = 6
 #: How far back ``history`` (GET /v1/usage) lists ended grants and support refunds, s.
 RECENT_S = 30 * 86400.0
 #: Times one draw is moved onto a newer copy before the request gives up (503): each
-#: needs a load or an operator change to land between the draw and its record.
-MAX_REBASES = 6
+#: needs a load or an operator change to land between the draw and its record. After one
+#: operator change every process that finds no copy loads one, and each of those loads
+#: makes the draws made on the copy before it stale once more: with 8 processes, 6 moves
+#: were used up by about one request per change.
+MAX_REBASES = 12
 #: Pauses while a draw waits for the loader that took a newer epoch to write its copy,
 #: seconds, before it loads one itself (each load takes an epoch: loading at once would
-#: overtake the other loaders' copies in turn).
-REBASE_WAITS_S = (0.01, 0.02, 0.04)
+#: overtake the other loaders' copies in turn). They add up to more than a load takes
+#: (an epoch, then a consistent Query): with shorter waits, the processes drawing while
+#: an operator change lands each load in turn, and each load makes every other draw
+#: stale again, until one runs out of rebases (bench/operator_changes.py).
+REBASE_WAITS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
 
 #: Where a charge's credit stands in the record of truth.
 #:   none      it drew nothing

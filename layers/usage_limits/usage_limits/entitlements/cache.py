@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..deadline import remaining_s
 from ..exceptions import LimiterUnavailable
 from .exceptions import StoreUnavailable
 from .models import Grant, SupportRefund, UserEntitlements
@@ -70,6 +71,10 @@ MAX_REBASES = 12
 #: an operator change lands each load in turn, and each load makes every other draw
 #: stale again, until one runs out of rebases (bench/operator_changes.py).
 REBASE_WAITS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+#: A draw is moved onto a newer copy only while the request has this long left, s: the
+#: waits above and a load take up to about a second, and the provider call still has to
+#: fit before the deadline (no call starts that cannot finish).
+REBASE_MIN_LEFT_S = 1.5
 
 #: Where a charge's credit stands in the record of truth.
 #:   none      it drew nothing
@@ -289,7 +294,8 @@ class EntitlementCache:
         """Record a reservation's draws in DynamoDB (before its provider is called).
 
         A draw refused for a newer epoch is moved onto the newer copy and recorded under
-        its epoch (at most ``MAX_REBASES`` times). An answer lost on the way is resolved:
+        its epoch (at most ``MAX_REBASES`` times, and only while the request has
+        ``REBASE_MIN_LEFT_S`` left before its deadline). An answer lost on the way is resolved:
         the record is read, or the charge written off so that it can never land.
 
         Returns:
@@ -312,6 +318,9 @@ class EntitlementCache:
                 return await self._resolve(user_id, request_id, nonce)
             if outcome != "stale":
                 return "recorded" if outcome == "recorded" else "undone"
+            if remaining_s() < REBASE_MIN_LEFT_S:  # the deadline bounds the retries too
+                log.warning("the request's deadline is too near to move its draw")
+                return "undone"
             try:  # a load since the draw: take the draw from the new copy as well
                 status, moved_to = await self._rebase(budget, user_id, request_id, nonce,
                                                       reported, epoch)

@@ -30,6 +30,8 @@ SPECS = functions(TEMPLATE)
 FUNCTION_SPECS = [spec for i, spec in enumerate(SPECS)
                   if spec.logical_id not in {s.logical_id for s in SPECS[:i]}]
 
+#: Functions with no route: run by the scheduler, with their event files.
+SCHEDULED = {"AuditorFunction": "auditor_schedule.json"}
 #: DESIGN.md, "Public contract": the local app depends on exactly these routes.
 CONTRACT_ROUTES = {
     "POST /v1/structured",
@@ -177,11 +179,11 @@ def test_optional_kms_key_encrypts_logs_secrets_and_environment(
                  for name, r in resources.items() if r["Type"] in kinds}
     assert {resources[name]["Type"] for name in encrypted} == set(kinds)
     assert sum(resources[n]["Type"] == "AWS::Lambda::Function"
-               for n in encrypted) == len(FUNCTION_SPECS)
+               for n in encrypted) == len(FUNCTION_SPECS) + len(SCHEDULED)
     assert {name: key for name, key in encrypted.items() if key != KMS_KEY_OR_DEFAULT} == {}
     decrypt = {"Fn::If": ["HasKmsKey", {"Ref": "KmsDecryptPolicy"}, {"Ref": "AWS::NoValue"}]}
-    for spec in FUNCTION_SPECS:
-        assert decrypt in resources[f"{spec.logical_id}Role"]["Properties"]["ManagedPolicyArns"]
+    for name in [*(spec.logical_id for spec in FUNCTION_SPECS), *SCHEDULED]:
+        assert decrypt in resources[f"{name}Role"]["Properties"]["ManagedPolicyArns"]
     policy = resources["KmsDecryptPolicy"]
     assert policy["Condition"] == "HasKmsKey"
     statement, = policy["Properties"]["PolicyDocument"]["Statement"]
@@ -191,9 +193,11 @@ def test_optional_kms_key_encrypts_logs_secrets_and_environment(
 
 
 def test_sam_transform_produces_the_stack(resources: dict[str, Any]) -> None:
-    """The SAM translator turns the template into an HTTP API, eight functions and their roles."""
+    """The SAM translator turns the template into an HTTP API, eight functions behind it and
+    the scheduled auditor, and their roles."""
     types = [r["Type"] for r in resources.values()]
-    assert types.count("AWS::Lambda::Function") == 8
+    assert types.count("AWS::Lambda::Function") == 8 + len(SCHEDULED)
+    assert types.count("AWS::Scheduler::Schedule") == len(SCHEDULED)
     assert types.count("AWS::ApiGatewayV2::Api") == 1
     assert types.count("AWS::Lambda::LayerVersion") == 3
     assert "AWS::ElastiCache::ServerlessCache" in types
@@ -257,7 +261,7 @@ def test_every_event_file_targets_a_route() -> None:
     """No event file names a route that the template does not have."""
     routes = {spec.route_key for spec in SPECS}
     for path in sorted(EVENTS.glob("*.json")):
-        if path.name == "env.json":
+        if path.name == "env.json" or path.name in SCHEDULED.values():
             continue
         event = json.loads(path.read_text())
         assert event["routeKey"] in routes, path.name
@@ -307,7 +311,7 @@ def test_snapstart_is_a_parameter_on_every_function(template: dict[str, Any],
     and a rule refuses it together with provisioned concurrency."""
     assert template["Parameters"]["SnapStart"]["Default"] == "false"
     functions = [r for r in resources.values() if r["Type"] == "AWS::Lambda::Function"]
-    assert len(functions) == len(FUNCTION_SPECS)
+    assert len(functions) == len(FUNCTION_SPECS) + len(SCHEDULED)
     for function in functions:
         assert function["Properties"]["Runtime"] in {"python3.12", "python3.13"}
         assert function["Properties"]["SnapStart"] == {"Fn::If": [
@@ -380,6 +384,8 @@ TABLE_ACTIONS = {
     "EntitlementsLoadPolicy": {"dynamodb:Query", "dynamodb:UpdateItem"},
     "EntitlementsDrawPolicy": {"dynamodb:GetItem", "dynamodb:Query", "dynamodb:UpdateItem",
                                "dynamodb:ConditionCheckItem"},
+    # reads, and PutItem only on its own mark's partition (a condition on the leading key)
+    "AuditorFunctionRole": {"dynamodb:GetItem", "dynamodb:Query", "dynamodb:PutItem"},
 }
 
 
@@ -387,20 +393,24 @@ def test_the_table_is_reached_with_named_actions_only_where_needed(
         resources: dict[str, Any]) -> None:
     """DynamoDB permissions are named actions on the entitlements table only (no wildcards,
     no Scan, no table management): the admin role's, and the request path's load and draw
-    policies, which never see the audit index and cannot put or delete items."""
-    holders = set()
+    policies, which never see the audit index and cannot put or delete items; the auditor
+    puts only into its own mark's partition."""
+    held: dict[str, set[str]] = {}
     for holder, statement in _statements(resources):
         actions = [str(a) for a in _as_list(statement.get("Action", []))]
         dynamo = [a for a in actions if a.lower().startswith("dynamodb:")]
         if not dynamo:
             continue
-        holders.add(holder)
-        assert set(dynamo) == TABLE_ACTIONS[holder], holder
+        held.setdefault(holder, set()).update(dynamo)
+        if "dynamodb:PutItem" in dynamo and holder == "AuditorFunctionRole":
+            assert dynamo == ["dynamodb:PutItem"]
+            assert statement["Condition"] == {"ForAllValues:StringEquals": {
+                "dynamodb:LeadingKeys": ["AUDITOR"]}}
         table = [{"Fn::GetAtt": ["EntitlementsTable", "Arn"]}]
         if holder == "AdminFunctionRole":
             table.append({"Fn::Sub": "${EntitlementsTable.Arn}/index/audit"})
         assert _as_list(statement["Resource"]) == table, holder
-    assert holders == set(TABLE_ACTIONS)
+    assert held == TABLE_ACTIONS
 
 
 def test_metered_functions_may_record_draws_and_usage_only_loads(

@@ -282,13 +282,17 @@ class Auditor:
             "divergences": len(report.divergences), "users": report.users_audited}))
 
     async def run(self, *, users: Sequence[str] | None = None,
-                  now_ms: int | None = None, move_mark: bool = True) -> AuditReport:
+                  now_ms: int | None = None, move_mark: bool = True,
+                  time_left_s: Any = None) -> AuditReport:
         """One run: the users given, else those active since the previous run.
 
         Args:
             users: audit these (the CLI's ``--user``); the mark is then left alone.
             now_ms: the run's clock (tests).
             move_mark: record this run's end for the next (only when ``users`` is None).
+            time_left_s: a callable giving the seconds the run may still take (a Lambda's
+                remaining time less a margin); the run stops before a user when it is
+                <= 0, and leaves the mark where it was (the next run audits them).
 
         Raises:
             InvalidArgument: neither users nor a usage-record store to find them.
@@ -314,7 +318,11 @@ class Auditor:
         divergences: list[Divergence] = []
         notes: dict[str, tuple[str, ...]] = {}
         repaired: list[str] = []
-        for user in chosen:
+        for i, user in enumerate(chosen):
+            if time_left_s is not None and time_left_s() <= 0:
+                log.warning("the audit ran out of time after %d of %d users", i, len(chosen))
+                chosen, bounded = chosen[:i], True
+                break
             one = await self.audit_user(user, now_ms)
             divergences += one.divergences
             repaired += one.repaired

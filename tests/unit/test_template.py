@@ -54,6 +54,8 @@ ADMIN_ROUTES = {
     "PUT /admin/v1/users/{user_id}/suspension",
     "DELETE /admin/v1/users/{user_id}/suspension",
     "GET /admin/v1/audit",
+    "POST /admin/v1/books",
+    "POST /admin/v1/users/{user_id}/reload",
 }
 
 #: Provider secrets each function may read (logical ids); nothing else.

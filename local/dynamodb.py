@@ -19,18 +19,23 @@ from .redis_servers import free_port
 
 #: The table's name in the local stack.
 LOCAL_TABLE = "atto-local-entitlements"
+#: The usage records' table in the local stack.
+LOCAL_USAGE_TABLE = "atto-local-usage"
 
 
 class DynamoServer:
-    """moto's DynamoDB server on a private loopback port, with the entitlements table.
+    """moto's DynamoDB server on a private loopback port, with the entitlements table and
+    the usage records' table.
 
     Attributes:
         url: the endpoint, ``http://127.0.0.1:<port>``.
         table: the entitlements table's name.
+        usage_table: the usage records' table's name.
     """
 
-    def __init__(self, table: str = LOCAL_TABLE) -> None:
+    def __init__(self, table: str = LOCAL_TABLE, usage_table: str = LOCAL_USAGE_TABLE) -> None:
         self.table = table
+        self.usage_table = usage_table
         self.port = 0
         self.url = ""
         self._server: object | None = None
@@ -50,6 +55,7 @@ class DynamoServer:
 
         from usage_limits.entitlements.config import StoreSettings
         from usage_limits.entitlements.store import EntitlementStore
+        from usage_limits.entitlements.usage_store import UsageSettings, UsageStore
 
         region = os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         # The local server accepts any credentials; these keep the shell's real ones unused.
@@ -57,6 +63,8 @@ class DynamoServer:
                               aws_access_key_id="local", aws_secret_access_key="local")
         EntitlementStore(StoreSettings(table=self.table, endpoint_url=self.url, region=region),
                          client=client).create_table()
+        UsageStore(UsageSettings(table=self.usage_table, endpoint_url=self.url, region=region),
+                   client=client).create_table()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -3,10 +3,10 @@
 With ``REDIS_URL`` unset a private redis-server is started; with ``LLM_BASE_URL`` unset the
 offline provider emulator is started and every provider's base URL and key point at it;
 with ``ATTO_ENTITLEMENTS_TABLE`` unset a local DynamoDB (moto's server) with the
-entitlements table is started; with neither ``ATTO_PLANS`` nor ``ATTO_BUDGET`` set, the
-plans are ``LOCAL_PLANS``: the usual budget as the default plan, and a ``free`` plan with a
-small monthly quota (chosen with ``X-Atto-Plan: free``) to try credit grants on, and a
-larger ``pro`` plan for an operator to give.
+entitlements table and the usage records' table is started; with neither ``ATTO_PLANS``
+nor ``ATTO_BUDGET`` set, the plans are ``LOCAL_PLANS``: the usual budget as the default
+plan, and a ``free`` plan with a small monthly quota (chosen with ``X-Atto-Plan: free``)
+to try credit grants on, and a larger ``pro`` plan for an operator to give.
 Local mode (``ATTO_ENV=local``) is always on here.
 """
 
@@ -82,6 +82,8 @@ def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
 
             dynamo = stack.enter_context(DynamoServer())
             started["ATTO_ENTITLEMENTS_TABLE"] = dynamo.table
+            if not env.get("ATTO_USAGE_TABLE"):
+                started["ATTO_USAGE_TABLE"] = dynamo.usage_table
             started["ATTO_DYNAMODB_ENDPOINT"] = dynamo.url
         if not env.get("LLM_BASE_URL"):
             from .emulator import EmulatorProcess

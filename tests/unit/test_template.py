@@ -375,50 +375,91 @@ def test_entitlements_table_is_durable_and_matches_the_store(template: dict[str,
     assert props["TimeToLiveSpecification"] == {"AttributeName": TTL_ATTRIBUTE, "Enabled": True}
 
 
-#: The DynamoDB actions each holder may use on the entitlements table: the operator API
-#: reads and writes it; the request path only loads (Query, a new epoch by UpdateItem) and,
-#: where it charges, records draws (a transaction of a ConditionCheck and Updates) and reads
-#: a charge's credit record back (GetItem).
+#: The DynamoDB actions each holder may use on each table: the operator API reads and
+#: writes the entitlements table; the request path only loads (Query, a new epoch by
+#: UpdateItem) and, where it charges, records draws (a transaction of a ConditionCheck and
+#: Updates) and reads a charge's credit record back (GetItem). Usage records are written by
+#: the metered functions (a record's put and lowerings by UpdateItem, an active-user marker
+#: by PutItem), read by the usage function (Query on the time index) and read and lowered
+#: (a support refund) by the operator API.
 TABLE_ACTIONS = {
-    "AdminFunctionRole": {"dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem",
-                          "dynamodb:DeleteItem", "dynamodb:Query",
-                          "dynamodb:ConditionCheckItem"},
-    "EntitlementsLoadPolicy": {"dynamodb:Query", "dynamodb:UpdateItem"},
-    "EntitlementsDrawPolicy": {"dynamodb:GetItem", "dynamodb:Query", "dynamodb:UpdateItem",
-                               "dynamodb:ConditionCheckItem"},
-    # reads, and PutItem only on its own mark's partition (a condition on the leading key)
-    "AuditorFunctionRole": {"dynamodb:GetItem", "dynamodb:Query", "dynamodb:PutItem"},
+    ("AdminFunctionRole", "EntitlementsTable"): {
+        "dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem",
+        "dynamodb:Query", "dynamodb:ConditionCheckItem"},
+    ("EntitlementsLoadPolicy", "EntitlementsTable"): {"dynamodb:Query", "dynamodb:UpdateItem"},
+    ("EntitlementsDrawPolicy", "EntitlementsTable"): {
+        "dynamodb:GetItem", "dynamodb:Query", "dynamodb:UpdateItem",
+        "dynamodb:ConditionCheckItem"},
+    ("AdminFunctionRole", "UsageTable"): {"dynamodb:GetItem", "dynamodb:Query",
+                                          "dynamodb:UpdateItem"},
+    ("UsageRecordsWritePolicy", "UsageTable"): {"dynamodb:PutItem", "dynamodb:UpdateItem"},
+    ("UsageRecordsReadPolicy", "UsageTable"): {"dynamodb:Query"},
+    # the auditor reads, and puts only into its own mark's partition (a condition on the
+    # leading key); it writes a usage record only when one is provably missing
+    ("AuditorFunctionRole", "EntitlementsTable"): {"dynamodb:GetItem", "dynamodb:Query",
+                                                   "dynamodb:PutItem"},
+    ("AuditorFunctionRole", "UsageTable"): {"dynamodb:Query", "dynamodb:UpdateItem"},
+}
+#: The resources each holder's statement names, per table.
+TABLE_RESOURCES = {
+    ("AdminFunctionRole", "EntitlementsTable"): [
+        {"Fn::GetAtt": ["EntitlementsTable", "Arn"]},
+        {"Fn::Sub": "${EntitlementsTable.Arn}/index/audit"}],
+    ("AdminFunctionRole", "UsageTable"): [
+        {"Fn::GetAtt": ["UsageTable", "Arn"]}, {"Fn::Sub": "${UsageTable.Arn}/index/by_time"}],
+    ("UsageRecordsReadPolicy", "UsageTable"): [{"Fn::Sub": "${UsageTable.Arn}/index/by_time"}],
+    ("AuditorFunctionRole", "UsageTable"): [
+        {"Fn::GetAtt": ["UsageTable", "Arn"]}, {"Fn::Sub": "${UsageTable.Arn}/index/by_time"}],
 }
 
 
 def test_the_table_is_reached_with_named_actions_only_where_needed(
         resources: dict[str, Any]) -> None:
-    """DynamoDB permissions are named actions on the entitlements table only (no wildcards,
-    no Scan, no table management): the admin role's, and the request path's load and draw
-    policies, which never see the audit index and cannot put or delete items; the auditor
-    puts only into its own mark's partition."""
-    held: dict[str, set[str]] = {}
+    """DynamoDB permissions are named actions on one table each (no wildcards, no Scan, no
+    table management): the admin role's, the request path's load and draw policies (which
+    never see the audit index and cannot put or delete items) and the usage records' write
+    and read policies (the writers cannot read, the reader only queries the time index);
+    the auditor puts into the entitlements table only its own mark's partition."""
+    held: dict[tuple[str, str], set[str]] = {}
     for holder, statement in _statements(resources):
         actions = [str(a) for a in _as_list(statement.get("Action", []))]
         dynamo = [a for a in actions if a.lower().startswith("dynamodb:")]
         if not dynamo:
             continue
-        held.setdefault(holder, set()).update(dynamo)
-        if "dynamodb:PutItem" in dynamo and holder == "AuditorFunctionRole":
-            assert dynamo == ["dynamodb:PutItem"]
+        named = json.dumps(statement["Resource"])
+        table = "UsageTable" if "UsageTable" in named else "EntitlementsTable"
+        held.setdefault((holder, table), set()).update(dynamo)
+        if holder == "AuditorFunctionRole" and "dynamodb:PutItem" in dynamo:
+            assert dynamo == ["dynamodb:PutItem"] and table == "EntitlementsTable"
             assert statement["Condition"] == {"ForAllValues:StringEquals": {
                 "dynamodb:LeadingKeys": ["AUDITOR"]}}
-        table = [{"Fn::GetAtt": ["EntitlementsTable", "Arn"]}]
-        if holder == "AdminFunctionRole":
-            table.append({"Fn::Sub": "${EntitlementsTable.Arn}/index/audit"})
-        assert _as_list(statement["Resource"]) == table, holder
+        expected = TABLE_RESOURCES.get((holder, table),
+                                       [{"Fn::GetAtt": [table, "Arn"]}])
+        assert _as_list(statement["Resource"]) == expected, holder
     assert held == TABLE_ACTIONS
+
+
+def test_usage_table_is_durable_and_matches_the_store(template: dict[str, Any]) -> None:
+    """The usage records' table is on-demand with point-in-time recovery, kept on deletion,
+    and has the keys, time index and time-to-live attribute the usage store uses."""
+    from usage_limits.entitlements.usage import TTL_ATTRIBUTE
+    from usage_limits.entitlements.usage_store import TABLE_DEFINITION
+
+    table = template["Resources"]["UsageTable"]
+    props = table["Properties"]
+    assert table["DeletionPolicy"] == table["UpdateReplacePolicy"] == "Retain"
+    assert props["BillingMode"] == "PAY_PER_REQUEST"
+    assert props["PointInTimeRecoverySpecification"] == {"PointInTimeRecoveryEnabled": True}
+    for key in ("AttributeDefinitions", "KeySchema", "LocalSecondaryIndexes"):
+        assert props[key] == TABLE_DEFINITION[key], key
+    assert props["TimeToLiveSpecification"] == {"AttributeName": TTL_ATTRIBUTE, "Enabled": True}
 
 
 def test_metered_functions_may_record_draws_and_usage_only_loads(
         template: dict[str, Any]) -> None:
-    """Every metered function holds the draw policy, the usage function only the load
-    policy, and no other function either."""
+    """Every metered function holds the draw policy and the usage records' write policy, the
+    usage function only the load policy and the records' read policy, and no other function
+    either."""
     attached = {name: [p.get("Ref") for p in r["Properties"].get("Policies", [])
                        if isinstance(p, dict)]
                 for name, r in template["Resources"].items()
@@ -429,6 +470,10 @@ def test_metered_functions_may_record_draws_and_usage_only_loads(
                     "JobExtractionFunction", "CompanyResearchFunction",
                     "MarketContextFunction"}
     assert load == {"UsageFunction"}
+    write = {name for name, refs in attached.items() if "UsageRecordsWritePolicy" in refs}
+    read = {name for name, refs in attached.items() if "UsageRecordsReadPolicy" in refs}
+    assert write == draw
+    assert read == {"UsageFunction"}
 
 
 def test_stage_throttling_and_access_logs(resources: dict[str, Any]) -> None:

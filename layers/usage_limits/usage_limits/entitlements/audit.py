@@ -69,6 +69,7 @@ class Divergence:
         detail: what was found, in words.
         fix: the CLI command (or commands) a person runs to fix it.
         repaired: the auditor fixed it itself (only a provably missing usage record).
+        nonce: the reservation's nonce, when it concerns one charge ('' otherwise).
     """
 
     kind: Kind
@@ -79,6 +80,7 @@ class Divergence:
     detail: str = ""
     fix: str = ""
     repaired: bool = False
+    nonce: str = ""
 
     def key(self) -> tuple[str, str, str, tuple[str, ...]]:
         """What identifies it across two reads (the tokens may move meanwhile)."""
@@ -329,7 +331,7 @@ def check_records(user_id: str, view: LedgerView, records: Sequence[UsageRecordL
                     "record_missing", user_id, c.cost, (c.request_id,),
                     detail=f"the ledger counts {c.cost} tokens ({c.route or 'no route'}) "
                            "with no usage record",
-                    fix=_audit_cmd(user_id) + " --repair"))
+                    fix=_audit_cmd(user_id) + " --repair", nonce=c.nonce))
         elif r.state in REFUNDED_STATES:
             out.append(Divergence(
                 "record_refunded", user_id, c.cost, (c.request_id,),
@@ -353,6 +355,32 @@ def check_records(user_id: str, view: LedgerView, records: Sequence[UsageRecordL
                     fix=f"atto-admin statement {_q(user_id)}  # the user was not charged "
                         "for it: settle with them or refund the record"))
     return out, notes
+
+
+def check_charge_records(user_id: str, charges: Sequence[ChargeRecord],
+                         records: Sequence[UsageRecordLike], from_ms: int, now_ms: int, *,
+                         write_bound_ms: int,
+                         reported: Iterable[tuple[str, str]] = ()) -> list[Divergence]:
+    """Every charge record (a draw of credit, the money's record of truth) made in
+    [from_ms, now - write bound) has its usage record: one that is missing is provably so
+    (``record_missing``, which the auditor may repair from the charge record).
+
+    Args:
+        records: the user's usage records made from ``from_ms`` on.
+        reported: (request id, nonce) already reported missing (by ``check_records``).
+    """
+    have = {(r.request_id, r.nonce) for r in records} | set(reported)
+    out = []
+    for c in charges:
+        if c.state == "void" or not from_ms <= c.at_ms < now_ms - write_bound_ms \
+                or (c.request_id, c.nonce) in have:
+            continue
+        out.append(Divergence(
+            "record_missing", user_id, c.kept, (c.request_id,),
+            detail=f"a charge record of {c.cost} tokens ({c.route or 'no route'}) has no "
+                   "usage record",
+            fix=_audit_cmd(user_id) + " --repair", nonce=c.nonce))
+    return out
 
 
 def confirmed(first: Sequence[Divergence], second: Sequence[Divergence]) -> list[Divergence]:

@@ -34,6 +34,7 @@ from .audit import (
     LedgerView,
     UserAudit,
     check_credit,
+    check_charge_records,
     check_grants,
     check_records,
     confirmed,
@@ -57,6 +58,21 @@ MAX_LEDGER_EVENTS = 20_000
 MARK_PK, MARK_SK = "AUDITOR", "LAST"
 #: Charge records are kept this long (``store.DRAW_RECORD_DAYS``), days.
 RECORD_DAYS = 400
+#: The span of usage records compared when the ledger holds nothing of a user (its
+#: longest window is unknown then), ms: the longest window of the usual plans.
+NO_LEDGER_SPAN_MS = 31 * 86_400_000
+
+
+def record_from_charge(user_id: str, charge: ChargeRecord, route: str = "") -> Any:
+    """The usage record a charge record proves: its cost, what it keeps and its draws
+    (the plan is not on the charge record: '')."""
+    from .usage import UsageRecord
+
+    state = ("charged" if charge.kept == charge.cost else
+             "settled" if charge.kept else "refunded")
+    return UsageRecord(user_id, charge.request_id, charge.nonce,
+                       charge.route or route or "unknown", "", charge.cost, charge.kept,
+                       charge.draws, state, charge.at_ms, charge.changed_ms)
 
 
 @dataclass(frozen=True)
@@ -130,6 +146,7 @@ class Books:
     view: LedgerView
     usage: tuple[Any, ...]
     now_ms: int
+    usage_from_ms: int = 0
 
 
 class Auditor:
@@ -181,23 +198,12 @@ class Auditor:
         charges = await self._run(self.store.charge_records, user_id)
         view = await self.read_ledger(user_id, now)
         usage: tuple[Any, ...] = ()
-        if self.usage is not None and not view.empty:
+        since = now - (view.longest_ms or NO_LEDGER_SPAN_MS)
+        if view.longest_ms:
             since = max(view.clock_ms, now) - view.longest_ms
-            usage = tuple(await self._run(self._usage_records, user_id, since, now))
-        return Books(tuple(record.grants), tuple(charges), view, usage, now)
-
-    def _usage_records(self, user_id: str, from_ms: int, to_ms: int) -> list[Any]:
-        """Every usage record of the user in [from_ms, to_ms], following the cursor."""
-        out: list[Any] = []
-        cursor = None
-        for _ in range(10_000):  # a bound: 10k pages of records
-            page = self.usage.history(user_id, from_ms, to_ms, cursor=cursor, limit=500)
-            records, cursor = (page if isinstance(page, tuple) else
-                               (page.records, page.cursor))
-            out.extend(r for r in records if getattr(r, "kind", "charge") == "charge")
-            if not cursor:
-                break
-        return out
+        if self.usage is not None:
+            usage = tuple(await self._run(self.usage.records, user_id, since, now + 1))
+        return Books(tuple(record.grants), tuple(charges), view, usage, now, since)
 
     # --- checks -----------------------------------------------------------------------------
 
@@ -214,13 +220,18 @@ class Auditor:
                                      books.now_ms, write_bound_ms=bound_ms)
             found += credit
             notes += n
-            if self.usage is None:
-                notes.append("no usage records given: not compared")
-            else:
-                records, n = check_records(user_id, books.view, books.usage, books.now_ms,
-                                           write_bound_ms=bound_ms)
-                found += records
-                notes += n
+        if self.usage is None:
+            notes.append("no usage records given: not compared")
+            return found, notes
+        if self.redis is not None:
+            records, n = check_records(user_id, books.view, books.usage, books.now_ms,
+                                       write_bound_ms=bound_ms)
+            found += records
+            notes += n
+        found += check_charge_records(
+            user_id, books.charges, books.usage, books.usage_from_ms, books.now_ms,
+            write_bound_ms=bound_ms,
+            reported=[(d.request_ids[0], d.nonce) for d in found if d.kind == "record_missing"])
         return found, notes
 
     async def audit_user(self, user_id: str, now_ms: int | None = None) -> UserAudit:
@@ -248,20 +259,21 @@ class Auditor:
                       found: Sequence[Divergence]) -> tuple[list[Divergence], list[str]]:
         """Write the usage records that are provably missing: a ``record_missing`` whose
         charge record DynamoDB holds. It stays in the report, marked repaired."""
-        from .records_repair import record_from_charge
+        from dataclasses import replace
 
         charges = {(c.request_id, c.nonce): c for c in books.charges}
-        view = {c.request_id: c for c in books.view.charges}
+        routes = {(c.request_id, c.nonce): c.route for c in books.view.charges}
         out, repaired = [], []
         for d in found:
-            charge = view.get(d.request_ids[0]) if d.kind == "record_missing" else None
-            record = charges.get((charge.request_id, charge.nonce)) if charge else None
-            if record is None or record.state == "void":
+            key = (d.request_ids[0], d.nonce) if d.kind == "record_missing" else None
+            record = charges.get(key) if key else None
+            if key is None or record is None or record.state == "void":
                 out.append(d)
                 continue
-            await self._run(self.usage.put, record_from_charge(user_id, record))
+            await self._run(self.usage.put,
+                            record_from_charge(user_id, record, routes.get(key, "")))
             repaired.append(f"{user_id} {record.request_id}")
-            out.append(Divergence(**{**d.__dict__, "repaired": True}))
+            out.append(replace(d, repaired=True))
         return out, repaired
 
     # --- runs -------------------------------------------------------------------------------

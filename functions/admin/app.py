@@ -333,7 +333,9 @@ async def reload(user_id: UserId, ops: Ops, _: Actor) -> dict[str, Any]:
 
 def usage_store() -> Any:
     """The usage-record store of this environment (None: not deployed with it)."""
-    return None
+    from usage_limits.entitlements.usage_store import default_usage_store
+
+    return default_usage_store()
 
 
 def details_out(details: dict[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,9 @@ coldstart.resume()
 
 def usage_store() -> Any:
     """The usage-record store of this environment (None: not deployed with it)."""
-    return None
+    from usage_limits.entitlements.usage_store import default_usage_store
+
+    return default_usage_store()
 
 
 def publish(report: AuditReport) -> None:

@@ -9,6 +9,7 @@ straight into DynamoDB or Redis afterwards.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -23,9 +24,13 @@ from tests.integration.test_entitlements_hotpath import (  # noqa: F401  (env: a
     store,
 )
 from usage_limits.entitlements.audit import UserAudit
-from usage_limits.entitlements.auditor import Auditor, AuditSettings
+from usage_limits.entitlements.auditor import Auditor, AuditSettings, record_from_charge
+from usage_limits.entitlements.usage import UsageRecord
+from usage_limits.entitlements.usage_store import UsageSettings, UsageStore
 from usage_limits.keys import user_keys
 from usage_limits.web import runtime
+
+USAGE_TABLE = "books-usage"
 
 #: No pause before the second read, and every record is expected at once.
 SETTINGS = AuditSettings(recheck_s=0, write_bound_s=0)
@@ -33,7 +38,9 @@ SETTINGS = AuditSettings(recheck_s=0, write_bound_s=0)
 
 @pytest.fixture
 def plain(env: Any) -> Any:  # noqa: F811  (the fixture imported above)
-    """A plain Redis client of the environment's server (``env`` of the hot-path tests)."""
+    """A plain Redis client of the environment's server (``env`` of the hot-path tests),
+    with the usage records' table made in its moto account."""
+    usage_store().create_table()
     return env
 
 
@@ -44,18 +51,46 @@ def patch() -> Any:
         yield mp
 
 
-def usage_store() -> Any:
-    """The usage-record store of the environment (None before it exists)."""
-    return None
+def usage_store() -> UsageStore:
+    """The usage records' store of the test's moto table."""
+    return UsageStore(UsageSettings(table=USAGE_TABLE, region="us-east-1"))
 
 
-def audit(user: str, **kwargs: Any) -> UserAudit:
-    """One audit of ``user`` over the environment's store and ledger."""
+def audit(user: str, *, records: bool = True, **kwargs: Any) -> UserAudit:
+    """One audit of ``user`` over the environment's store and ledger (and usage records)."""
     async def go() -> UserAudit:
-        auditor = Auditor(store(), runtime.get_redis(), usage_store(), settings=SETTINGS,
-                          **kwargs)
+        auditor = Auditor(store(), runtime.get_redis(), usage_store() if records else None,
+                          settings=SETTINGS, **kwargs)
         return await auditor.audit_user(user)
     return asyncio.run(go())
+
+
+def ledger_charges(user: str) -> list[Any]:
+    """The charges the ledger counts for ``user`` (their ids, nonces, costs, routes)."""
+    async def go() -> list[Any]:
+        auditor = Auditor(store(), runtime.get_redis(), settings=SETTINGS)
+        return list((await auditor.read_ledger(user, int(time.time() * 1000))).charges)
+    return asyncio.run(go())
+
+
+def write_records(user: str) -> list[UsageRecord]:
+    """A usage record for every charge the ledger counts, as the request path writes them
+    (its draws from the charge record when there is one), and one for each charge refunded
+    since; returns the former."""
+    credit = {(c.request_id, c.nonce): c for c in store().charge_records(user)}
+    out = []
+    for c in ledger_charges(user):
+        drawn = credit.get((c.request_id, c.nonce))
+        record = UsageRecord(user, c.request_id, c.nonce, c.route or "POST /v1/embeddings",
+                             "free", c.cost, c.cost, drawn.draws if drawn else (), "charged",
+                             c.at_ms)
+        usage_store().put(record)
+        out.append(record)
+    counted = {(c.request_id, c.nonce) for c in ledger_charges(user)}
+    for (rid, nonce), drawn in credit.items():  # refunded: its record, lowered
+        if (rid, nonce) not in counted and drawn.state != "void":
+            usage_store().put(record_from_charge(user, drawn, "POST /v1/embeddings"))
+    return out
 
 
 def traffic(user: str, patch: pytest.MonkeyPatch) -> None:
@@ -76,8 +111,10 @@ def test_clean_books_after_real_traffic_report_nothing(plain: Any,
     user = uuid.uuid4().hex
     traffic(user, patch)
     books_balance(user)
+    assert audit(user, records=False).divergences == ()
+    assert len(write_records(user)) == 8
     report = audit(user)
-    assert report.divergences == (), report
+    assert report.divergences == () and report.notes == (), report
 
 
 def test_a_grant_consumed_off_by_one_is_found(plain: Any, patch: pytest.MonkeyPatch) -> None:
@@ -90,7 +127,7 @@ def test_a_grant_consumed_off_by_one_is_found(plain: Any, patch: pytest.MonkeyPa
                          UpdateExpression="ADD #c :one",
                          ExpressionAttributeNames={"#c": "consumed"},
                          ExpressionAttributeValues=s._ser({":one": 1}))
-    found = [d for d in audit(user).divergences if d.kind == "grant_consumed"]
+    found = [d for d in audit(user, records=False).divergences if d.kind == "grant_consumed"]
     assert len(found) == 1, found
     d = found[0]
     assert (d.user_id, d.reference, d.tokens) == (user, "inv", 1)
@@ -107,10 +144,10 @@ def test_a_cached_copy_with_more_credit_than_dynamodb_is_found(plain: Any,
     (ent,) = user_keys(user, "ent")
     value = plain.hget(ent, "g:inv").decode().split(" ")
     plain.hset(ent, "g:inv", " ".join([str(int(value[0]) + 7), *value[1:]]))
-    found = audit(user).divergences
+    found = audit(user, records=False).divergences
     assert [(d.kind, d.reference, d.tokens) for d in found] == [("credit_excess", "inv", 7)]
     plain.delete(ent)
-    dropped = audit(user)
+    dropped = audit(user, records=False)
     assert dropped.divergences == () and any("no cached copy" in n for n in dropped.notes)
 
 
@@ -122,5 +159,67 @@ def test_a_cached_copy_short_of_credit_is_found(plain: Any, patch: pytest.Monkey
     (ent,) = user_keys(user, "ent")
     value = plain.hget(ent, "g:inv").decode().split(" ")
     plain.hset(ent, "g:inv", " ".join([str(int(value[0]) - 2), *value[1:]]))
-    found = audit(user).divergences
+    found = audit(user, records=False).divergences
     assert [(d.kind, d.reference, d.tokens) for d in found] == [("credit_short", "inv", 2)]
+
+
+def test_a_counted_charge_with_no_record_is_found_and_repaired_when_provable(
+        plain: Any, patch: pytest.MonkeyPatch) -> None:
+    """Charges the ledger counts with no usage record are each a record_missing with its
+    request id; the one drawn from credit is proven by its charge record and repaired,
+    the one that drew nothing is left to a person; a second audit finds only that one."""
+    user = uuid.uuid4().hex
+    traffic(user, patch)
+    records = write_records(user)
+    drawn = next(r for r in records if r.draws)
+    plain_one = next(r for r in records if not r.draws)
+    s = usage_store()
+    for r in (drawn, plain_one):
+        s.client.delete_item(TableName=s.table, Key=s._ser({
+            "pk": "U#" + user, "sk": f"{r.request_id}#{r.nonce}"}))
+    found = audit(user).divergences
+    assert sorted((d.kind, d.request_ids, d.tokens, d.repaired) for d in found) == sorted([
+        ("record_missing", (drawn.request_id,), 1, True),
+        ("record_missing", (plain_one.request_id,), 1, False)])
+    assert all("--repair" in d.fix for d in found)
+    assert s.get(user, drawn.request_id, drawn.nonce).kept == 1
+    again = audit(user).divergences
+    assert [(d.kind, d.request_ids) for d in again] == [
+        ("record_missing", (plain_one.request_id,))]
+
+
+def test_a_refunded_record_the_ledger_still_counts_is_found(
+        plain: Any, patch: pytest.MonkeyPatch) -> None:
+    """A usage record lowered to refunded while the ledger still counts the charge is a
+    record_refunded with the charge's id, its cost and the refund command."""
+    user = uuid.uuid4().hex
+    traffic(user, patch)
+    records = write_records(user)
+    victim = records[0]
+    assert usage_store().lower(user, victim.request_id, victim.nonce, 0, "refunded",
+                               int(time.time() * 1000))
+    found = audit(user).divergences
+    assert [(d.kind, d.request_ids, d.tokens) for d in found] == [
+        ("record_refunded", (victim.request_id,), 1)]
+    assert found[0].fix.startswith(f"atto-admin refund {user} ")
+
+
+def test_a_charged_record_the_ledger_does_not_count_is_found(
+        plain: Any, patch: pytest.MonkeyPatch) -> None:
+    """A charged usage record of a charge the ledger no longer counts (removed behind its
+    back) is a record_not_counted; with the ledger dropped entirely there is nothing to
+    compare and a note says so."""
+    user = uuid.uuid4().hex
+    traffic(user, patch)
+    records = write_records(user)
+    victim = next(r for r in records if not r.draws)
+    log, ev = user_keys(user, "log", "ev")
+    plain.zrem(log, victim.request_id)
+    plain.hdel(ev, victim.request_id)
+    found = audit(user).divergences
+    assert [(d.kind, d.request_ids, d.tokens) for d in found] == [
+        ("record_not_counted", (victim.request_id,), 1)]
+    plain.delete(*user_keys(user, "log", "ev", "meta", "ent", "dr"))
+    dropped = audit(user)
+    assert dropped.divergences == ()
+    assert any("usage records not compared" in n for n in dropped.notes)

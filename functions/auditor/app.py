@@ -67,6 +67,12 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
             return float("inf")
         return float(context.get_remaining_time_in_millis()) / 1000 - MARGIN_S
 
-    report = asyncio.run(audit(event, time_left_s))
+    # a loop of its own, never made current: asyncio.run would leave the thread without
+    # one, and a Mangum app served in the same process (local serving) needs it
+    loop = asyncio.new_event_loop()
+    try:
+        report = loop.run_until_complete(audit(event, time_left_s))
+    finally:
+        loop.close()
     publish(report)
     return report.to_json()

@@ -9,6 +9,8 @@ straight into DynamoDB or Redis afterwards.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import json
 import time
 import uuid
 from typing import Any
@@ -20,6 +22,7 @@ from tests.integration.test_entitlements_hotpath import (  # noqa: F401  (env: a
     embed,
     env,
     grant,
+    op,
     remaining,
     store,
 )
@@ -56,13 +59,23 @@ def usage_store() -> UsageStore:
     return UsageStore(UsageSettings(table=USAGE_TABLE, region="us-east-1"))
 
 
+def run(coro: Any) -> Any:
+    """Run ``coro`` on a loop of its own, never made current (the handlers' Mangum needs
+    the thread's own loop afterwards)."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
 def audit(user: str, *, records: bool = True, **kwargs: Any) -> UserAudit:
     """One audit of ``user`` over the environment's store and ledger (and usage records)."""
     async def go() -> UserAudit:
         auditor = Auditor(store(), runtime.get_redis(), usage_store() if records else None,
                           settings=SETTINGS, **kwargs)
         return await auditor.audit_user(user)
-    return asyncio.run(go())
+    return run(go())
 
 
 def ledger_charges(user: str) -> list[Any]:
@@ -70,7 +83,7 @@ def ledger_charges(user: str) -> list[Any]:
     async def go() -> list[Any]:
         auditor = Auditor(store(), runtime.get_redis(), settings=SETTINGS)
         return list((await auditor.read_ledger(user, int(time.time() * 1000))).charges)
-    return asyncio.run(go())
+    return run(go())
 
 
 def write_records(user: str) -> list[UsageRecord]:
@@ -223,3 +236,74 @@ def test_a_charged_record_the_ledger_does_not_count_is_found(
     dropped = audit(user)
     assert dropped.divergences == ()
     assert any("usage records not compared" in n for n in dropped.notes)
+
+
+def plant_off_by_one(user: str) -> None:
+    """The user's grant ``inv`` consumes one token more than its charge records hold."""
+    s = store()
+    s.client.update_item(TableName=s.table, Key=s._ser({"pk": "U#" + user, "sk": "E#G#inv"}),
+                         UpdateExpression="ADD #c :one",
+                         ExpressionAttributeNames={"#c": "consumed"},
+                         ExpressionAttributeValues=s._ser({":one": 1}))
+
+
+def test_a_scheduled_run_audits_the_active_users_logs_and_publishes(
+        plain: Any, patch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The auditor function audits the users with records since its last run (not one
+    without), logs its report as one JSON line, publishes LedgerDivergence and its tokens,
+    and keeps its mark for the next run."""
+    from usage_limits.entitlements.usage_store import set_usage_store
+
+    auditor_fn = importlib.import_module("functions.auditor.app")
+    patch.setenv("ATTO_AUDIT_RECHECK_S", "0")
+    patch.setenv("ATTO_AUDIT_WRITE_BOUND_S", "0")
+    set_usage_store(usage_store())
+    patch.setattr("usage_limits.entitlements.usage_store._store", usage_store())
+    active, idle = uuid.uuid4().hex, uuid.uuid4().hex
+    for user in (active, idle):
+        traffic(user, patch)
+        write_records(user)
+        plant_off_by_one(user)
+    usage_store().mark_active(active, int(time.time() * 1000))
+    capsys.readouterr()
+    report = auditor_fn.handler({}, None)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+             if line.startswith("{")]
+    assert report["users_audited"] >= 1 and not report["balanced"]
+    mine = [d for d in report["divergences"] if d["user_id"] in (active, idle)]
+    # the grant consumes one more than its records, so the copy holds one more than it
+    assert sorted((d["user_id"], d["kind"], d["tokens"]) for d in mine) == [
+        (active, "credit_excess", 1), (active, "grant_consumed", 1)]
+    logged = [x for x in lines if x.get("message") == "books audit"]
+    assert len(logged) == 1 and logged[0]["divergence_count"] == report["divergence_count"]
+    emf = [x for x in lines if "LedgerDivergence" in x]
+    assert len(emf) == 1 and emf[0]["LedgerDivergence"] == [float(report["divergence_count"])]
+    assert emf[0]["LedgerDivergenceTokens"] == [float(report["divergence_tokens"])]
+    assert Auditor(store(), settings=SETTINGS).last_mark() is not None
+    one = auditor_fn.handler({"users": [idle]}, None)
+    assert sorted((d["user_id"], d["kind"]) for d in one["divergences"]) == [
+        (idle, "credit_excess"), (idle, "grant_consumed")]
+
+
+def test_the_operator_books_route_audits_one_user(plain: Any,
+                                                  patch: pytest.MonkeyPatch) -> None:
+    """POST /admin/v1/books with a user reports that user's divergences with their fixes;
+    reload drops the cached copy, after which the credit is not compared."""
+    from usage_limits.entitlements.usage_store import set_usage_store
+
+    set_usage_store(usage_store())
+    patch.setattr("usage_limits.entitlements.usage_store._store", usage_store())
+    user = uuid.uuid4().hex
+    traffic(user, patch)
+    write_records(user)
+    (ent,) = user_keys(user, "ent")
+    value = plain.hget(ent, "g:inv").decode().split(" ")
+    plain.hset(ent, "g:inv", " ".join([str(int(value[0]) + 3), *value[1:]]))
+    patch.setenv("ATTO_AUDIT_RECHECK_S", "0")
+    body = op("POST", "/admin/v1/books", {"user_id": user}).body
+    assert [(d["kind"], d["reference"], d["tokens"]) for d in body["divergences"]] == [
+        ("credit_excess", "inv", 3)]
+    assert body["divergences"][0]["fix"].startswith(f"atto-admin reload {user}")
+    assert op("POST", f"/admin/v1/users/{user}/reload").body["reloaded"] is True
+    again = op("POST", "/admin/v1/books", {"user_id": user}).body
+    assert again["balanced"] is True, again

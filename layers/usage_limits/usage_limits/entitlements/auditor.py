@@ -66,10 +66,10 @@ NO_LEDGER_SPAN_MS = 31 * 86_400_000
 def record_from_charge(user_id: str, charge: ChargeRecord, route: str = "") -> Any:
     """The usage record a charge record proves: its cost, what it keeps and its draws
     (the plan is not on the charge record: '')."""
-    from .usage import UsageRecord
+    from .usage import RecordState, UsageRecord
 
-    state = ("charged" if charge.kept == charge.cost else
-             "settled" if charge.kept else "refunded")
+    state: RecordState = ("charged" if charge.kept == charge.cost else
+                          "settled" if charge.kept else "refunded")
     return UsageRecord(user_id, charge.request_id, charge.nonce,
                        charge.route or route or "unknown", "", charge.cost, charge.kept,
                        charge.draws, state, charge.at_ms, charge.changed_ms)

@@ -52,6 +52,7 @@ MAX_USERS_ENV = "ATTO_AUDIT_MAX_USERS"
 WRITE_BOUND_ENV = "ATTO_AUDIT_WRITE_BOUND_S"
 RECHECK_ENV = "ATTO_AUDIT_RECHECK_S"
 FIRST_SPAN_ENV = "ATTO_AUDIT_FIRST_SPAN_S"
+CONCURRENCY_ENV = "ATTO_AUDIT_CONCURRENCY"
 #: Most charges of one user read from the ledger in one call (the bound of its work).
 MAX_LEDGER_EVENTS = 20_000
 #: The mark of the last run in the entitlements table.
@@ -86,6 +87,7 @@ class AuditSettings:
             ones are not expected yet.
         recheck_s: the pause before a user with a divergence is read again, seconds.
         first_span_s: the span a first run (no mark yet) audits, seconds.
+        concurrency: users audited at once (each waits on DynamoDB and Redis, not the CPU).
     """
 
     sample: float = 1.0
@@ -93,12 +95,15 @@ class AuditSettings:
     write_bound_s: float = 300.0
     recheck_s: float = 2.0
     first_span_s: float = 3600.0
+    concurrency: int = 8
 
     def __post_init__(self) -> None:
         if not 0 < self.sample <= 1:
             raise InvalidArgument(f"{SAMPLE_ENV} must be in (0, 1], not {self.sample!r}")
         if self.max_users < 1:
             raise InvalidArgument(f"{MAX_USERS_ENV} must be >= 1")
+        if not 1 <= self.concurrency <= 64:
+            raise InvalidArgument(f"{CONCURRENCY_ENV} must be 1 to 64")
         for name, value in ((WRITE_BOUND_ENV, self.write_bound_s),
                             (RECHECK_ENV, self.recheck_s), (FIRST_SPAN_ENV, self.first_span_s)):
             if not value >= 0:
@@ -125,7 +130,8 @@ class AuditSettings:
                    max_users=int(num(MAX_USERS_ENV, d.max_users)),
                    write_bound_s=num(WRITE_BOUND_ENV, d.write_bound_s),
                    recheck_s=num(RECHECK_ENV, d.recheck_s),
-                   first_span_s=num(FIRST_SPAN_ENV, d.first_span_s))
+                   first_span_s=num(FIRST_SPAN_ENV, d.first_span_s),
+                   concurrency=int(num(CONCURRENCY_ENV, d.concurrency)))
 
 
 def sampled(user_id: str, salt: str, share: float) -> bool:
@@ -278,6 +284,22 @@ class Auditor:
 
     # --- runs -------------------------------------------------------------------------------
 
+    async def _audit_all(self, users: Sequence[str], now_ms: int | None,
+                         time_left_s: Any) -> list[UserAudit]:
+        """Audit ``users``, ``concurrency`` at a time, in order; none is started once
+        ``time_left_s()`` is <= 0 (those started finish)."""
+        out: list[UserAudit | None] = [None] * len(users)
+        queue = iter(range(len(users)))
+
+        async def worker() -> None:
+            for i in queue:
+                if time_left_s is not None and time_left_s() <= 0:
+                    return
+                out[i] = await self.audit_user(users[i], now_ms)
+
+        await asyncio.gather(*(worker() for _ in range(self.settings.concurrency)))
+        return [one for one in out if one is not None]
+
     def last_mark(self) -> int | None:
         """The end of the previous run, ms (None: no run yet)."""
         s = self.store
@@ -330,19 +352,19 @@ class Auditor:
         divergences: list[Divergence] = []
         notes: dict[str, tuple[str, ...]] = {}
         repaired: list[str] = []
-        for i, user in enumerate(chosen):
-            if time_left_s is not None and time_left_s() <= 0:
-                log.warning("the audit ran out of time after %d of %d users", i, len(chosen))
-                chosen, bounded = chosen[:i], True
-                break
-            one = await self.audit_user(user, now_ms)
+        done = await self._audit_all(chosen, now_ms, time_left_s)
+        if len(done) < len(chosen):
+            log.warning("the audit ran out of time after %d of %d users", len(done),
+                        len(chosen))
+            bounded = True
+        for one in done:
             divergences += one.divergences
             repaired += one.repaired
             if one.notes:
-                notes[user] = one.notes
+                notes[one.user_id] = one.notes
         report = AuditReport(
             started_ms=now, since_ms=since, until_ms=now, users_active=len(active),
-            users_audited=len(chosen), divergences=tuple(divergences), notes=notes,
+            users_audited=len(done), divergences=tuple(divergences), notes=notes,
             repaired=tuple(repaired), duration_ms=int((time.monotonic() - started) * 1000),
             sample=1.0 if users is not None else self.settings.sample)
         if move_mark and not bounded:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import time
 import uuid
 from typing import Any
@@ -307,3 +308,22 @@ def test_the_operator_books_route_audits_one_user(plain: Any,
     assert op("POST", f"/admin/v1/users/{user}/reload").body["reloaded"] is True
     again = op("POST", "/admin/v1/books", {"user_id": user}).body
     assert again["balanced"] is True, again
+
+
+def test_the_fleet_end_audit_reports_balanced_books_and_a_planted_divergence(
+        plain: Any, patch: pytest.MonkeyPatch) -> None:
+    """bench/_fleet_audit.run_audit over the environment's Redis and tables: balanced after
+    real traffic, not balanced once a grant is off by one."""
+    from bench._fleet_audit import run_audit
+
+    user = uuid.uuid4().hex
+    traffic(user, patch)
+    write_records(user)
+    kwargs: dict[str, Any] = {"entitlements_table": store().table, "usage_table": USAGE_TABLE,
+                              "users": [user], "cluster": plain.__class__.__name__ ==
+                              "RedisCluster", "recheck_s": 0}
+    url = os.environ["REDIS_URL"]
+    assert run_audit(url, None, **kwargs).balanced
+    plant_off_by_one(user)
+    report = run_audit(url, None, **kwargs)
+    assert not report.balanced and report.users_audited == 1

@@ -78,6 +78,7 @@ class Meter:
         self.calls: Counter[str] = Counter()
         self.read_units = 0.0
         self.write_units = 0.0
+        self.read_bytes = 0
 
     def attach(self, client: Any) -> Any:
         client.meta.events.register("after-call.dynamodb", self._after)
@@ -90,6 +91,7 @@ class Meter:
         if op in ("Query", "GetItem", "Scan"):
             items = parsed.get("Items") or ([parsed["Item"]] if parsed.get("Item") else [])
             size = sum(item_bytes(i) for i in items)
+            self.read_bytes += size
             self.read_units += max(1, math.ceil(size / 4096))
         elif op in ("PutItem", "UpdateItem", "DeleteItem"):
             self.write_units += 1
@@ -97,6 +99,7 @@ class Meter:
     def reset(self) -> None:
         self.calls.clear()
         self.read_units = self.write_units = 0.0
+        self.read_bytes = 0
 
 
 async def seed(users: list[str], charges: int, store: EntitlementStore, usage: UsageStore,
@@ -145,7 +148,8 @@ async def measure(n: int, charges: int, redis_url: str) -> dict[str, Any]:
         - sum(v["calls"] for k, v in before.items() if k.startswith("cmdstat_evalsha"))
     return {"users": n, "audited": report.users_audited, "divergences": len(report.divergences),
             "calls": dict(meter.calls), "read_units": meter.read_units,
-            "write_units": meter.write_units, "redis_calls": redis_calls, "seconds": elapsed}
+            "write_units": meter.write_units, "read_bytes": meter.read_bytes,
+            "redis_calls": redis_calls, "seconds": elapsed}
 
 
 def main() -> None:
@@ -170,7 +174,8 @@ def main() -> None:
               f"{r['redis_calls']:>11} {r['seconds']:>7.2f} "
               f"{1000 * r['seconds'] / r['users']:>7.2f}")
     for r in rows:
-        print(f"calls by operation, {r['users']} users: {r['calls']}")
+        print(f"calls by operation, {r['users']} users: {r['calls']}; bytes read per user "
+              f"{r['read_bytes'] / r['users']:.0f}")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ DEFAULT_ENGINE = "redis7"
 #: (budget), the throttle, the connection, the fleet harness, the server fixtures and the
 #: books' auditor (its read of the ledger is a script).
 EVERY_ENGINE_MODULES = ("test_budget_", "test_throttle", "test_connection", "test_fleet",
-                        "test_servers", "test_books_")
+                        "test_servers", "test_usage_records", "test_books_")
 INTEGRATION = Path(__file__).parent / "integration"
 #: tests/integration modules (file names) that measure time across processes under load
 #: (load runs, wake-up lateness, rates per second). Marked ``timing``: `make test` runs them
@@ -348,9 +348,10 @@ def uid() -> str:
 def _forget_pending_refunds() -> Iterator[None]:
     """Refunds a test leaves pending (its Redis gone) must not be retried by the next test."""
     yield
-    from usage_limits.web import refunds
+    from usage_limits.web import records, refunds
 
     refunds.clear()
+    records.clear()
 
 
 class StartEnvironment(Protocol):

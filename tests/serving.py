@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: What the shell may carry that would stop serve/invoke from starting their own stack.
 _STACK_VARIABLES = ("REDIS_URL", "LLM_BASE_URL", "ATTO_ENV", "PORT", "EMULATOR_PORT",
-                    "ATTO_ENTITLEMENTS_TABLE", "ATTO_DYNAMODB_ENDPOINT")
+                    "ATTO_ENTITLEMENTS_TABLE", "ATTO_DYNAMODB_ENDPOINT", "ATTO_USAGE_TABLE")
 
 
 def fresh_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -47,6 +47,9 @@ from .models import (
     SalaryResult,
     StructuredResult,
     Usage,
+    UsageDay,
+    UsageHistory,
+    UsageHistoryRecord,
 )
 from .ratelimit import RateLimitStatus, RateLimitWindow
 from .signin import LoopbackSignIn, OIDCEndpoints
@@ -91,4 +94,7 @@ __all__ = [
     "TransportError",
     "Unauthorized",
     "Usage",
+    "UsageDay",
+    "UsageHistory",
+    "UsageHistoryRecord",
 ]

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 import httpx
@@ -31,6 +32,7 @@ from .models import (
     SalaryResult,
     StructuredResult,
     Usage,
+    UsageHistory,
 )
 from .ratelimit import RateLimitStatus
 
@@ -116,6 +118,26 @@ SALARY = Route("GET", "/v1/salary", SalaryResult.from_json)
 JOB_EXTRACTION = Route("POST", "/v1/job-extraction", JobListing.from_json)
 MARKET_CONTEXT = Route("POST", "/v1/market-context", MarketContext.from_json)
 USAGE = Route("GET", "/v1/usage", Usage.from_json)
+USAGE_HISTORY = Route("GET", "/v1/usage/history", UsageHistory.from_json)
+
+
+def history_params(since: datetime | str | None, until: datetime | str | None,
+                   cursor: str | None, limit: int) -> dict[str, Any]:
+    """The query of ``GET /v1/usage/history``: instants as RFC 3339 (an aware datetime,
+    or a string sent as it is).
+
+    Raises:
+        ValueError: a naive datetime (its zone is unknown).
+    """
+    def instant(value: datetime | str | None) -> str | None:
+        if isinstance(value, datetime):
+            if value.tzinfo is None:
+                raise ValueError("since/until must be aware datetimes (with a time zone)")
+            return value.isoformat()
+        return value
+
+    return drop_none({"from": instant(since), "to": instant(until), "cursor": cursor,
+                      "limit": limit})
 
 
 def new_idempotency_key() -> str:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 import httpx
@@ -28,6 +29,8 @@ from .models import (
     SalaryResult,
     StructuredResult,
     Usage,
+    UsageHistory,
+    UsageHistoryRecord,
 )
 from .ratelimit import RateLimitStatus
 
@@ -279,6 +282,43 @@ class AttoClient(_Base):
         """
         return self._run(self._call(_core.USAGE, idempotency_key=idempotency_key))
 
+    def usage_history(self, *, since: datetime | str | None = None,
+                      until: datetime | str | None = None, cursor: str | None = None,
+                      limit: int = 50) -> UsageHistory:
+        """``GET /v1/usage/history`` (free): one page of the caller's statement, newest
+        first; the first page (no ``cursor``) carries the span's per-day totals.
+
+        Args:
+            since: the span's start, inclusive (an aware datetime or RFC 3339); default 30
+                days before ``until``.
+            until: its end, exclusive; default now.
+            cursor: the previous page's ``cursor``.
+            limit: records per page, 1 to 500.
+
+        Raises:
+            ValueError: a naive datetime.
+            ApiError, TransportError: as for ``structured`` (400 ``InvalidRequest`` for a
+                bad span or cursor).
+        """
+        return self._run(self._call(_core.USAGE_HISTORY, idempotency_key=None,
+                                    params=_core.history_params(since, until, cursor, limit)))
+
+    def iter_usage_history(self, *, since: datetime | str | None = None,
+                           until: datetime | str | None = None,
+                           limit: int = 100) -> Iterator[UsageHistoryRecord]:
+        """Every record of the span, newest first, fetching page after page.
+
+        Raises:
+            As ``usage_history``.
+        """
+        cursor: str | None = None
+        while True:
+            page = self.usage_history(since=since, until=until, cursor=cursor, limit=limit)
+            yield from page.records
+            if page.cursor is None:
+                return
+            cursor = page.cursor
+
 
 class AsyncAttoClient(_Base):
     """The asyncio client: the same arguments and methods as ``AttoClient``, awaited.
@@ -397,3 +437,25 @@ class AsyncAttoClient(_Base):
     async def usage(self, *, idempotency_key: str | None = None) -> Usage:
         """``GET /v1/usage`` (free); see ``AttoClient.usage``."""
         return await self._run(self._call(_core.USAGE, idempotency_key=idempotency_key))
+
+    async def usage_history(self, *, since: datetime | str | None = None,
+                            until: datetime | str | None = None, cursor: str | None = None,
+                            limit: int = 50) -> UsageHistory:
+        """``GET /v1/usage/history`` (free); see ``AttoClient.usage_history``."""
+        return await self._run(self._call(
+            _core.USAGE_HISTORY, idempotency_key=None,
+            params=_core.history_params(since, until, cursor, limit)))
+
+    async def iter_usage_history(self, *, since: datetime | str | None = None,
+                                 until: datetime | str | None = None,
+                                 limit: int = 100) -> AsyncIterator[UsageHistoryRecord]:
+        """Every record of the span, newest first; see ``AttoClient.iter_usage_history``."""
+        cursor: str | None = None
+        while True:
+            page = await self.usage_history(since=since, until=until, cursor=cursor,
+                                            limit=limit)
+            for record in page.records:
+                yield record
+            if page.cursor is None:
+                return
+            cursor = page.cursor

@@ -458,6 +458,93 @@ class Usage:
             credit=CreditBalance.from_json(obj), info=info)
 
 
+@dataclass(frozen=True)
+class UsageHistoryRecord:
+    """One charge's usage record, as ``GET /v1/usage/history`` shows it.
+
+    Attributes:
+        request_id: the request's id (its ``X-Request-Id``).
+        route: the route charged ("" while the record is partial).
+        plan: the plan it was charged under.
+        cost: tokens reserved.
+        kept: tokens kept now (after settles and refunds).
+        refunded: tokens given back.
+        credit: (grant reference, tokens) drawn from credit grants.
+        state: ``charged``, ``settled``, ``refunded`` or ``support-refunded``.
+        at: when it was charged, Unix time.
+        changed_at: when it was last settled or refunded, Unix time (None: never).
+    """
+
+    request_id: str
+    route: str
+    plan: str
+    cost: int
+    kept: int
+    refunded: int
+    credit: tuple[tuple[str, int], ...]
+    state: str
+    at: float
+    changed_at: float | None = None
+
+    @classmethod
+    def from_json(cls, r: Mapping[str, Any]) -> UsageHistoryRecord:
+        at = _instant(r["at"])
+        if at is None:
+            raise ValueError(f"a usage record's at is not an instant: {r['at']!r}")
+        return cls(request_id=str(r["request_id"]), route=str(r.get("route", "")),
+                   plan=str(r.get("plan", "")), cost=int(r["cost"]), kept=int(r["kept"]),
+                   refunded=int(r.get("refunded", int(r["cost"]) - int(r["kept"]))),
+                   credit=tuple((str(c["reference"]), int(c["tokens"]))
+                                for c in r.get("credit") or []),
+                   state=str(r["state"]), at=at, changed_at=_instant(r.get("changed_at")))
+
+
+@dataclass(frozen=True)
+class UsageDay:
+    """One UTC day of a statement: charges made, tokens reserved, kept, refunded and drawn
+    from credit."""
+
+    day: str
+    charges: int
+    reserved: int
+    kept: int
+    refunded: int
+    credit: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class UsageHistory:
+    """``GET /v1/usage/history``: one page of the caller's statement, newest first.
+
+    Attributes:
+        since: the span's start, Unix time (inclusive).
+        until: the span's end, Unix time (exclusive).
+        records: this page's records.
+        days: per-day totals of the whole span (first page only; None on the others).
+        cursor: pass it to get the next page; None on the last.
+    """
+
+    user_id: str
+    since: float
+    until: float
+    records: tuple[UsageHistoryRecord, ...]
+    days: tuple[UsageDay, ...] | None
+    cursor: str | None
+    info: ResponseInfo | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, obj: JSON, info: ResponseInfo | None = None) -> UsageHistory:
+        days = obj.get("days")
+        return cls(
+            user_id=str(obj["user_id"]), since=_instant(obj["from"]) or 0.0,
+            until=_instant(obj["to"]) or 0.0,
+            records=tuple(UsageHistoryRecord.from_json(r) for r in obj["records"]),
+            days=None if days is None else tuple(
+                UsageDay(str(d["day"]), int(d["charges"]), int(d["reserved"]), int(d["kept"]),
+                         int(d["refunded"]), int(d["credit"])) for d in days),
+            cursor=obj.get("cursor"), info=info)
+
+
 def _int(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None

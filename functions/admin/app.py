@@ -1,4 +1,5 @@
-"""The operator API under /admin/v1/: plans, grants, refunds and suspensions of one user.
+"""The operator API under /admin/v1/: plans, grants, refunds and suspensions of one user,
+its statement (usage records) and a grant's history.
 
 Every instant in an answer is an RFC 3339 UTC string (``iso``), audit details included.
 
@@ -25,11 +26,13 @@ from usage_limits.entitlements.exceptions import NotRefreshed
 from usage_limits.entitlements.models import MAX_GRANT_TOKENS, MAX_REASON, Change, Suspension
 from usage_limits.entitlements.operator import Operator, Picture
 from usage_limits.entitlements.store import MAX_AUDIT, default_store
+from usage_limits.entitlements.usage_store import MAX_PAGE, default_usage_store
 from usage_limits.exceptions import InvalidArgument, LimiterUnavailable
 from usage_limits.web import ApiError, ErrorBody, create_app, lambda_handler, settings
 from usage_limits.web.errors import error_response, retry_after_header
 from usage_limits.web.identity import operator_principal, shown_id
 from usage_limits.web.runtime import get_budget, get_entitlements
+from usage_limits.web.statement import StatementOut, read_statement
 
 app = create_app("Atto Cloud: operator API")
 
@@ -138,7 +141,7 @@ async def operator(_: Annotated[str, Depends(operator_principal)]) -> Operator:
     try:
         plans = settings().plans
         return Operator(default_store(), plans, get_budget(plans.default_plan.windows),
-                        get_entitlements())
+                        get_entitlements(), usage=default_usage_store())
     except InvalidArgument as exc:  # a deployment setting, not the caller's input
         raise _Misconfigured("the server is misconfigured") from exc
 
@@ -271,6 +274,29 @@ async def refund(user_id: UserId, body: RefundIn, ops: Ops, actor: Actor) -> JSO
                         status_code=201 if created else 200)
 
 
+@app.get("/admin/v1/users/{user_id}/statement", responses=RESPONSES)
+async def statement(user_id: UserId, _: Actor,
+                    from_: Annotated[str | None, Query(alias="from")] = None,
+                    to: Annotated[str | None, Query()] = None,
+                    cursor: Annotated[str | None, Query()] = None,
+                    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50) -> StatementOut:
+    """The user's usage records in [from, to), newest first, a page at a time, with
+    per-day totals on the first page: what ``GET /v1/usage/history`` shows the user."""
+    return await read_statement(user_id, from_, to, cursor, limit)
+
+
+@app.get("/admin/v1/users/{user_id}/grants/{reference}/history", responses=RESPONSES)
+async def grant_history(user_id: UserId, reference: Annotated[str, Path(max_length=128)],
+                        ops: Ops, _: Actor) -> dict[str, Any]:
+    """A grant's own history, oldest first: created, each draw, each return (or forfeit),
+    void and expiry."""
+    events = await ops.grant_history(user_id, reference)
+    return {"user_id": user_id, "reference": reference,
+            "events": [{"kind": e.kind, "at": iso(e.at_ms), "tokens": e.tokens,
+                        "request_id": None if e.request_id is None else shown_id(e.request_id),
+                        "actor": e.actor, "reason": e.reason} for e in events]}
+
+
 @app.put("/admin/v1/users/{user_id}/suspension", responses=RESPONSES)
 async def suspend(user_id: UserId, body: SuspensionIn, ops: Ops,
                   actor: Actor) -> dict[str, Any]:
@@ -333,8 +359,6 @@ async def reload(user_id: UserId, ops: Ops, _: Actor) -> dict[str, Any]:
 
 def usage_store() -> Any:
     """The usage-record store of this environment (None: not deployed with it)."""
-    from usage_limits.entitlements.usage_store import default_usage_store
-
     return default_usage_store()
 
 

@@ -1,4 +1,5 @@
-"""GET /v1/usage: the caller's budget, recent spend and the price of every route (free).
+"""GET /v1/usage: the caller's budget, recent spend and the price of every route (free);
+GET /v1/usage/history: the caller's statement, from the usage records (free).
 
 Every instant in the answer is an RFC 3339 UTC string (``iso``); durations are numbers
 with their unit in the name (``window_s``).
@@ -11,13 +12,14 @@ import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see it
 # isort: split
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Query
 from pydantic import BaseModel, Field
 
 from usage_limits.entitlements import Plan, iso
 from usage_limits.web import create_app, current_user, lambda_handler
 from usage_limits.web.guard import current_plan, read_usage
 from usage_limits.web.identity import shown_id
+from usage_limits.web.statement import StatementOut, read_statement
 
 app = create_app("Atto Cloud: usage")
 
@@ -32,6 +34,7 @@ PRICES: dict[str, int | str] = {
     "POST /v1/company-research": 20,
     "POST /v1/market-context": 30,
     "GET /v1/usage": 0,
+    "GET /v1/usage/history": 0,
 }
 
 
@@ -111,6 +114,23 @@ async def usage(plan: Annotated[Plan, Depends(current_plan)],
                 for e in report.events],
         prices=PRICES,
     )
+
+
+@app.get("/v1/usage/history")
+async def usage_history(
+        user: str = Depends(current_user),
+        from_: Annotated[str | None, Query(
+            alias="from", description="Oldest instant (RFC 3339), inclusive; default 30 days "
+                                      "before `to`.")] = None,
+        to: Annotated[str | None, Query(
+            description="Newest instant (RFC 3339), exclusive; default now.")] = None,
+        cursor: Annotated[str | None, Query(
+            description="The `cursor` of the previous page; absent for the first.")] = None,
+        limit: Annotated[int, Query(ge=1, le=500, description="Records per page.")] = 50,
+) -> StatementOut:
+    """The caller's own usage records in [from, to), newest first, a page at a time, with
+    per-day (UTC) totals on the first page; free."""
+    return await read_statement(user, from_, to, cursor, limit)
 
 
 handler = lambda_handler(app)

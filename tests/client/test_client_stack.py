@@ -26,6 +26,7 @@ from atto_cloud_client import (
     StructuredResult,
     Unauthorized,
     Usage,
+    UsageHistory,
 )
 
 from local.emulator import EmulatorProcess
@@ -135,6 +136,33 @@ def test_async_client_calls_every_route(served: Served, emulator: EmulatorProces
     ledger = usage_of(served, user)
     assert len(ledger.events) == 5
     assert {e.request_id for e in ledger.events} == {r.info.request_id for r in results[:5]}
+
+
+def test_usage_history_is_typed_and_paginated(served: Served, user: str) -> None:
+    """Three charges come back as three typed records, newest first, across pages of two
+    (sync and async), with the day's totals on the first page only; a bad span is
+    InvalidRequest."""
+    with AttoClient(served.url, user=user) as atto:
+        keys = [f"hist-{user}-{i}" for i in range(3)]
+        for key in keys:
+            atto.embeddings(["a"], idempotency_key=key)
+        first = atto.usage_history(limit=2)
+        assert isinstance(first, UsageHistory) and first.cursor is not None
+        assert first.days is not None and first.days[0].charges == 3
+        second = atto.usage_history(cursor=first.cursor, limit=2)
+        assert second.days is None and second.cursor is None
+        records = [*first.records, *second.records]
+        assert [r.request_id for r in records] == list(reversed(keys))
+        assert all(r.state == "charged" and r.kept == r.cost == 1 for r in records)
+        assert [r.request_id for r in atto.iter_usage_history(limit=1)] == list(reversed(keys))
+        with pytest.raises(InvalidRequest):
+            atto.usage_history(since="2026-11-02T00:00:00Z", until="2026-11-01T00:00:00Z")
+
+    async def walk() -> list[str]:
+        async with AsyncAttoClient(served.url, user=user) as atto:
+            return [r.request_id async for r in atto.iter_usage_history(limit=2)]
+
+    assert asyncio.run(walk()) == list(reversed(keys))
 
 
 def test_budget_exceeded_is_typed_with_its_window_and_not_retried(served: Served,

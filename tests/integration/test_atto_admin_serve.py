@@ -93,6 +93,38 @@ def test_every_command_against_make_serve(served: Served) -> None:
     assert {e["by"] for e in entries} == {"local"}
 
 
+def test_statement_and_grant_history_against_make_serve(served: Served) -> None:
+    """statement shows every record with the day's totals (lines, CSV, --month), and
+    grant history the grant's creation, its draw and the return a support refund made."""
+    from datetime import UTC, datetime
+
+    user = "cli-" + uuid.uuid4().hex[:8]
+    assert cli(served, "grant", "add", user, "--tokens", "5", "--kind", "paid",
+               "--reference", "inv_h", "--reason", "bought")[0] == 0
+    for key in ("h-1", "h-2", "h-3"):  # tiny: 2 tokens a month, the third from the grant
+        assert embed(served, user, key, plan="tiny").status_code == 200
+    assert cli(served, "refund", user, "h-3", "--reason", "bad answer")[0] == 0
+    code, statement, _ = cli(served, "statement", user)
+    assert code == 0 and [r["request_id"] for r in statement["records"]] == ["h-3", "h-2", "h-1"]
+    assert statement["records"][0]["state"] == "support-refunded"
+    assert statement["records"][0]["credit"] == [{"reference": "inv_h", "tokens": 1}]
+    (day,) = statement["days"]
+    assert (day["charges"], day["kept"], day["refunded"], day["credit"]) == (3, 2, 1, 1)
+    month = datetime.now(UTC).strftime("%Y-%m")
+    assert len(cli(served, "statement", user, "--month", month)[1]["records"]) == 3
+    code, out, _ = cli(served, "statement", user, "--csv", json_out=False)
+    rows = out.splitlines()
+    assert code == 0 and rows[0].startswith("request_id,at,route,plan,state,cost,kept")
+    assert rows[1].startswith("h-3,") and ",support-refunded,1,0,1,inv_h=1," in rows[1]
+    code, out, _ = cli(served, "statement", user, json_out=False)
+    assert code == 0 and out.startswith(f"statement of {user} from ")
+    code, history, _ = cli(served, "grant", "history", user, "inv_h")
+    assert code == 0 and [(e["kind"], e["tokens"], e["request_id"]) for e in
+                          history["events"]] == [("created", 5, None), ("draw", 1, "h-3"),
+                                                 ("return", 1, "h-3")]
+    assert cli(served, "statement", user, "--month", "2026-13")[0] == 2
+
+
 def test_readable_output_and_errors(served: Served) -> None:
     """Without --json the CLI prints lines for a person; an API error exits 1 with its code."""
     user = "cli-" + uuid.uuid4().hex[:8]

@@ -50,11 +50,11 @@ def test_readme_route_table_is_the_price_list() -> None:
 
 
 def test_every_function_but_usage_is_metered() -> None:
-    """Every cloud feature costs tokens; only GET /v1/usage (and the operator API, which no
-    user reaches) is free."""
+    """Every cloud feature costs tokens; only GET /v1/usage and GET /v1/usage/history (and
+    the operator API, which no user reaches) are free."""
     metered = {route.split()[1] for route in declared_costs()}
     public = {fn.path for fn in functions() if not fn.path.startswith("/admin/")}
-    assert public - metered == {"/v1/usage"}
+    assert public - metered == {"/v1/usage", "/v1/usage/history"}
 
 
 def test_client_readme_route_table_is_the_price_list() -> None:

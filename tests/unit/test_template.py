@@ -41,6 +41,7 @@ CONTRACT_ROUTES = {
     "POST /v1/job-extraction",
     "POST /v1/market-context",
     "GET /v1/usage",
+    "GET /v1/usage/history",
 }
 
 #: The operator API: IAM-authorized, never the user JWT authorizer.
@@ -56,6 +57,8 @@ ADMIN_ROUTES = {
     "GET /admin/v1/audit",
     "POST /admin/v1/books",
     "POST /admin/v1/users/{user_id}/reload",
+    "GET /admin/v1/users/{user_id}/statement",
+    "GET /admin/v1/users/{user_id}/grants/{reference}/history",
 }
 
 #: Provider secrets each function may read (logical ids); nothing else.

@@ -24,10 +24,11 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from .client import AdminClient, AdminError, is_local, local_serve_url, stack_url
-from .output import error_lines, render
+from .output import error_lines, render, statement_csv
 
 URL_ENV = "ATTO_ADMIN_URL"
 STACK_ENV = "ATTO_STACK"
@@ -114,6 +115,19 @@ def parser() -> argparse.ArgumentParser:
     void.add_argument("user")
     void.add_argument("reference")
     void.add_argument("--reason", required=True)
+    history = command(grant_sub, "history", "a grant's history: created, draws, returns, "
+                                            "void, expiry")
+    history.add_argument("user")
+    history.add_argument("reference")
+
+    statement = command(sub, "statement", "the user's usage records and per-day totals")
+    statement.add_argument("user")
+    span = statement.add_mutually_exclusive_group()
+    span.add_argument("--month", type=month_span, help="a UTC month, YYYY-MM")
+    span.add_argument("--from", dest="since", help="RFC 3339, inclusive (default: 30 days "
+                                                  "before --to)")
+    statement.add_argument("--to", dest="until", help="RFC 3339, exclusive (default: now)")
+    statement.add_argument("--csv", action="store_true", help="one CSV row per record")
 
     refund = command(sub, "refund", "refund one charge, at most once")
     refund.add_argument("user")
@@ -157,6 +171,11 @@ def run(client: AdminClient, args: argparse.Namespace) -> Any:
                                    expires_at=args.expires_at)
     if command == "grant void":
         return client.void_grant(args.user, args.reference, args.reason)
+    if command == "grant history":
+        return client.grant_history(args.user, args.reference)
+    if command == "statement":
+        since, until = args.month if args.month else (args.since, args.until)
+        return client.statement(args.user, since, until)
     if command == "refund":
         return client.refund(args.user, args.request_id, args.reason)
     if command == "suspend":
@@ -170,6 +189,21 @@ def run(client: AdminClient, args: argparse.Namespace) -> Any:
     if command == "reload":
         return client.reload(args.user)
     raise AssertionError(f"unhandled command {command!r}")  # argparse allows no other
+
+
+def month_span(month: str) -> tuple[str, str]:
+    """``YYYY-MM`` as the RFC 3339 [from, to) of that UTC month.
+
+    Raises:
+        argparse.ArgumentTypeError: not a month (argparse prints it, exit status 2).
+    """
+    try:
+        start = datetime.strptime(month, "%Y-%m").replace(tzinfo=UTC)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a month YYYY-MM: {month!r}") from None
+    end = start.replace(year=start.year + 1, month=1) if start.month == 12 \
+        else start.replace(month=start.month + 1)
+    return (start.isoformat().replace("+00:00", "Z"), end.isoformat().replace("+00:00", "Z"))
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -255,8 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(error_lines(exc.status, exc.code, exc.message, exc.body)),
               file=sys.stderr)
         return 1
-    text = json.dumps(answer, indent=2) if args.json else render(args.command, answer,
-                                                                 local=is_local(url))
+    if getattr(args, "csv", False) and not args.json:
+        text = statement_csv(answer)
+    else:
+        text = json.dumps(answer, indent=2) if args.json else render(
+            args.command, answer, local=is_local(url))
     status = _print(text)
     if args.command == "books" and not answer.get("balanced", False):
         return UNBALANCED

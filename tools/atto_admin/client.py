@@ -232,6 +232,25 @@ class AdminClient:
         """Lift the user's suspension."""
         return self.request("DELETE", self._user(user_id) + "/suspension", {"reason": reason})[1]
 
+    def statement(self, user_id: str, since: str | None = None, until: str | None = None,
+                  *, page: int = 500) -> Any:
+        """The user's whole statement of [since, until): every page's records, newest
+        first, with the first page's per-day totals."""
+        query: dict[str, Any] = {"from": since, "to": until, "limit": page}
+        first = self.request("GET", self._user(user_id) + "/statement", query=query)[1]
+        records, cursor = list(first["records"]), first.get("cursor")
+        while cursor:
+            more = self.request("GET", self._user(user_id) + "/statement",
+                                query={**query, "cursor": cursor})[1]
+            records += more["records"]
+            cursor = more.get("cursor")
+        return {**first, "records": records, "cursor": None}
+
+    def grant_history(self, user_id: str, reference: str) -> Any:
+        """A grant's history: created, draws, returns, void, expiry."""
+        return self.request("GET", self._user(user_id) + "/grants/" + quote(reference, safe="")
+                            + "/history")[1]
+
     def audit(self, user_id: str | None = None, limit: int | None = None) -> Any:
         """Operator actions, newest first."""
         return self.request("GET", "/admin/v1/audit", query={"user_id": user_id,

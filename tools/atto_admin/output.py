@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import csv
+import io
 from typing import Any
+
+#: The columns of ``statement --csv``, one row per usage record.
+CSV_COLUMNS = ("request_id", "at", "route", "plan", "state", "cost", "kept", "refunded",
+               "credit", "changed_at")
 
 
 def _grant_line(g: dict[str, Any]) -> str:
@@ -69,6 +75,48 @@ def _books(b: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _credit(record: dict[str, Any]) -> str:
+    """A record's credit draws as ``ref=n ref=n`` ("" for none)."""
+    return " ".join(f"{c['reference']}={c['tokens']}" for c in record.get("credit") or [])
+
+
+def _statement(s: dict[str, Any]) -> str:
+    lines = [f"statement of {s['user_id']} from {s['from']} to {s['to']}: "
+             f"{len(s['records'])} charges"]
+    lines.append("days (UTC)        charges  reserved      kept  refunded    credit")
+    for d in s.get("days") or []:
+        lines.append(f"  {d['day']}  {d['charges']:>11} {d['reserved']:>9} {d['kept']:>9} "
+                     f"{d['refunded']:>9} {d['credit']:>9}")
+    lines.append("records (newest first)")
+    for r in s["records"]:
+        credit = _credit(r)
+        lines.append(f"  {r['at']}  {r['state']:<16} {r['kept']:>6} of {r['cost']:<6} "
+                     f"{r['route']:<24} {r['request_id']}"
+                     + (f"  credit {credit}" if credit else ""))
+    return "\n".join(lines)
+
+
+def statement_csv(s: dict[str, Any]) -> str:
+    """A statement as CSV: a header, then one row per record (``CSV_COLUMNS``)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for r in s["records"]:
+        writer.writerow([r["request_id"], r["at"], r["route"], r["plan"], r["state"],
+                         r["cost"], r["kept"], r["refunded"], _credit(r),
+                         r.get("changed_at") or ""])
+    return out.getvalue().rstrip("\n")
+
+
+def _grant_history(h: dict[str, Any]) -> str:
+    lines = [f"grant {h['reference']} of {h['user_id']}"]
+    for e in h["events"]:
+        who = f" by {e['actor']}: {e['reason']}" if e.get("actor") else ""
+        rid = f" {e['request_id']}" if e.get("request_id") else ""
+        lines.append(f"  {e['at']}  {e['kind']:<8} {e['tokens']:>8}{rid}{who}")
+    return "\n".join(lines)
+
+
 def _details(details: Any) -> str:
     """An audit entry's details as ``key=value`` pairs (none shown as ``-``)."""
     if not isinstance(details, dict):
@@ -104,6 +152,10 @@ def render(command: str, answer: Any, *, local: bool = False) -> str:
         return (f"the cached entitlements of {answer['user_id']} were dropped: the next "
                 "request loads them from DynamoDB" if answer["reloaded"]
                 else "this deployment caches no entitlements")
+    if command == "statement":
+        return _statement(answer)
+    if "events" in answer and "reference" in answer:
+        return _grant_history(answer)
     user = answer.get("user_id", "")
     if "grant" in answer:
         verb = ("created" if answer.get("created") else "already existed") \

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from .cache import EntitlementCache
     from .charges import ChargeRecord
     from .store import EntitlementStore
+    from .usage import GrantEvent
+    from .usage_store import UsageStore
 
 #: Spend events shown in a user's picture.
 PICTURE_EVENTS = 50
@@ -66,14 +68,17 @@ class Operator:
         budget: the ledger (for windows, spend events and support refunds).
         cache: the entitlements cache the request path reads (None: the request path reads
             no entitlements, and changes need no refresh).
+        usage: the usage records (None: none are kept; a support refund lowers none).
     """
 
     def __init__(self, store: EntitlementStore, plans: Plans, budget: TokenBudget,
-                 cache: EntitlementCache | None = None) -> None:
+                 cache: EntitlementCache | None = None, *,
+                 usage: UsageStore | None = None) -> None:
         self.store = store
         self.plans = plans
         self.budget = budget
         self.cache = cache
+        self.usage = usage
 
     async def _refresh(self, user_id: str) -> None:
         """Make the user's next request load what the store now holds.
@@ -203,6 +208,7 @@ class Operator:
                                                         rid)
         if earlier is not None:
             await self._finish_ledger(user_id, earlier, first=False)
+            await self._lower_record(user_id, earlier)
             return earlier, False
         if ledger is None and record is None:
             raise NotFound(f"no charge {request_id!r} in the user's ledger")
@@ -211,7 +217,40 @@ class Operator:
                                         tokens=ledger.cost if ledger is not None else 0,
                                         actor=actor, reason=reason)
         await self._finish_ledger(user_id, done, first=created)
+        await self._lower_record(user_id, done)
         return done, created
+
+    async def _lower_record(self, user_id: str, refund: SupportRefund) -> None:
+        """Mark the refunded charge's usage record ``support-refunded`` (idempotent: a
+        repeated call, or a refund the request path made first, changes nothing).
+
+        Raises:
+            NotRefreshed: DynamoDB failed; the refund itself is recorded.
+        """
+        if self.usage is None or not refund.nonce:
+            return
+        try:
+            await self._run(self.usage.lower, user_id, refund.request_id, refund.nonce, 0,
+                            "support-refunded", refund.change.at_ms)
+        except StoreUnavailable as exc:
+            raise NotRefreshed("the refund is recorded, but the charge's usage record could "
+                               "not be updated; repeat the call (it is idempotent)") from exc
+
+    async def grant_history(self, user_id: str, reference: str) -> list[GrantEvent]:
+        """A grant's history: created, each draw and return, void and expiry, oldest
+        first (from the grant's item and the user's charge records).
+
+        Raises:
+            NotFound: the user has no grant with this reference.
+        """
+        from .models import check_reference
+        from .usage import grant_history
+
+        item = await self._run(self.store._get, user_id, "E#G#" + check_reference(reference))
+        if item is None:
+            raise NotFound(f"the user has no grant with reference {reference!r}")
+        charges: list[ChargeRecord] = await self._run(self.store.charge_records, user_id)
+        return grant_history(item, charges)
 
     async def _finish_ledger(self, user_id: str, refund: SupportRefund, *, first: bool) -> None:
         """Give the refunded charge's tokens back in the ledger, and its credit to the copy.

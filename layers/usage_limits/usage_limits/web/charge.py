@@ -80,6 +80,20 @@ class Charge:
                 the lowering and call again).
             LimiterUnavailable: Redis could not be reached or did not answer in time.
         """
+        from . import records
+
+        try:
+            changed = await self._lower_ledger(new_cost)
+        except CreditPending:  # the ledger's part is done: so is the statement's
+            records.lowered(self, new_cost)
+            raise
+        # also when the ledger says it was lowered already (a re-sent script's second
+        # reply): the record's lowering is idempotent, and must not be left out
+        records.lowered(self, new_cost)
+        return changed
+
+    async def _lower_ledger(self, new_cost: int) -> bool:
+        """``lower_to`` in the ledger (and the record of truth), without the usage record."""
         if self.entitlements is None:
             if new_cost == 0:
                 return await self.budget.refund(self.user_id, self.request_id,

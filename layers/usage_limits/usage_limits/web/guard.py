@@ -37,7 +37,7 @@ from ..entitlements.exceptions import StoreUnavailable
 from ..entitlements.models import iso
 from ..entitlements.plans import Plan
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
-from . import events, identity, refunds, runtime
+from . import events, identity, records, refunds, runtime
 from . import observability as obs
 from .charge import Charge, CreditPending
 from .costs import Cost, price
@@ -295,6 +295,7 @@ class TokenGuard:
         if ent is not None and reservation.drawn > 0:
             await _record_draw(state, charge, ent, reservation, route)
         state.charge = charge
+        records.start(charge, route=route, plan=state.plan_name)  # beside the provider call
         obs.count(obs.TOKENS_RESERVED, cost)
         if reservation.crossings:  # published alongside the request, within a short bound
             events.publish_soon(events.threshold_events(user, state.plan_name,
@@ -397,6 +398,7 @@ async def _record_draw(state: RequestState, charge: Charge, ent: EntitlementCach
             events.publish_soon(events.credit_events(charge.user_id, state.plan_name,
                                                      reservation.credit_crossings))
         return
+    records.start(charge, route=route, plan=state.plan_name)  # made, and refunded below
     state.reservation = None  # no RateLimit fields claiming a charge that is undone
     charge.uncross = reservation.crossings  # never reported: the next crossing reports them
     known = outcome == "undone"

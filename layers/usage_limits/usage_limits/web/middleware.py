@@ -44,7 +44,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..deadline import deadline_scope, request_budget_s
-from . import events, identity, refunds
+from . import events, identity, records, refunds
 from . import idempotency as idem
 from . import observability as obs
 from .errors import ApiError, current_request_id, error_response
@@ -97,8 +97,13 @@ class UsageLimitsMiddleware:
             await self._serve(scope, receive, send_status, cleanup)
         finally:
             current_request_id.reset(token)
-            if not await events.drain(cleanup.left_s()):
+            left_s = cleanup.left_s()
+            published, written = await asyncio.gather(events.drain(left_s),
+                                                      records.drain(left_s))
+            if not published:
                 obs.logger().warning("events still being published at the clean-up bound")
+            if not written:
+                obs.logger().warning("usage records kept at the clean-up bound")
             obs.request_done(_route_key(scope), status or 500)
             obs.flush()
 
@@ -128,8 +133,8 @@ class UsageLimitsMiddleware:
         log = obs.logger()
         log.append_keys(request_id=_request_id(scope), x_request_id=current_request_id.get(),
                         route=f"{scope.get('method')} {scope.get('path')}", user=None)
-        if refunds.pending() or idem.kept():  # each bounded, both at once
-            await asyncio.gather(refunds.retry(), idem.retry())
+        if refunds.pending() or idem.kept() or records.pending():  # each bounded, all at once
+            await asyncio.gather(refunds.retry(), idem.retry(), records.retry())
         status = 0
         response_headers: list[tuple[bytes, bytes]] = []
         response_body: list[bytes] = []

@@ -14,6 +14,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,8 +29,8 @@ from tests.integration.test_entitlements_hotpath import (  # noqa: F401  (env: a
     store,
 )
 from usage_limits.entitlements.audit import UserAudit
-from usage_limits.entitlements.auditor import Auditor, AuditSettings, record_from_charge
-from usage_limits.entitlements.usage import UsageRecord
+from usage_limits.entitlements.auditor import Auditor, AuditSettings
+from usage_limits.entitlements.usage import UsageRecord, active_key
 from usage_limits.entitlements.usage_store import UsageSettings, UsageStore
 from usage_limits.keys import user_keys
 from usage_limits.web import runtime
@@ -41,11 +42,19 @@ SETTINGS = AuditSettings(recheck_s=0, write_bound_s=0)
 
 
 @pytest.fixture
-def plain(env: Any) -> Any:  # noqa: F811  (the fixture imported above)
+def plain(env: Any) -> Iterator[Any]:  # noqa: F811  (the fixture imported above)
     """A plain Redis client of the environment's server (``env`` of the hot-path tests),
-    with the usage records' table made in its moto account."""
+    with the usage records' table made in its moto account and written by the handlers."""
+    from usage_limits.entitlements.usage_store import set_usage_store
+
     usage_store().create_table()
-    return env
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ATTO_USAGE_TABLE", USAGE_TABLE)
+        set_usage_store(None)
+        try:
+            yield env
+        finally:
+            set_usage_store(None)
 
 
 @pytest.fixture
@@ -88,23 +97,11 @@ def ledger_charges(user: str) -> list[Any]:
 
 
 def write_records(user: str) -> list[UsageRecord]:
-    """A usage record for every charge the ledger counts, as the request path writes them
-    (its draws from the charge record when there is one), and one for each charge refunded
-    since; returns the former."""
-    credit = {(c.request_id, c.nonce): c for c in store().charge_records(user)}
-    out = []
-    for c in ledger_charges(user):
-        drawn = credit.get((c.request_id, c.nonce))
-        record = UsageRecord(user, c.request_id, c.nonce, c.route or "POST /v1/embeddings",
-                             "free", c.cost, c.cost, drawn.draws if drawn else (), "charged",
-                             c.at_ms)
-        usage_store().put(record)
-        out.append(record)
+    """The usage records the handlers wrote of the charges the ledger counts."""
     counted = {(c.request_id, c.nonce) for c in ledger_charges(user)}
-    for (rid, nonce), drawn in credit.items():  # refunded: its record, lowered
-        if (rid, nonce) not in counted and drawn.state != "void":
-            usage_store().put(record_from_charge(user, drawn, "POST /v1/embeddings"))
-    return out
+    now = int(time.time() * 1000)
+    return [r for r in usage_store().records(user, now - 86_400_000, now + 1)
+            if (r.request_id, r.nonce) in counted]
 
 
 def traffic(user: str, patch: pytest.MonkeyPatch) -> None:
@@ -265,7 +262,11 @@ def test_a_scheduled_run_audits_the_active_users_logs_and_publishes(
         traffic(user, patch)
         write_records(user)
         plant_off_by_one(user)
-    usage_store().mark_active(active, int(time.time() * 1000))
+    now = int(time.time() * 1000)
+    s = usage_store()
+    for at in (now - 3_600_000, now):  # the idle user's markers go: its hours look idle
+        s.client.delete_item(TableName=s.table, Key=s._ser(active_key(idle, at)))
+    s.mark_active(active, now)
     capsys.readouterr()
     report = auditor_fn.handler({}, None)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()

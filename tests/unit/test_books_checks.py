@@ -3,6 +3,8 @@ recheck, the sample and its settings (no servers)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from usage_limits.entitlements.audit import (
@@ -15,7 +17,7 @@ from usage_limits.entitlements.audit import (
     confirmed,
     parse_view,
 )
-from usage_limits.entitlements.auditor import AuditSettings, sampled
+from usage_limits.entitlements.auditor import Auditor, AuditSettings, sampled
 from usage_limits.entitlements.charges import ChargeRecord
 from usage_limits.entitlements.models import Change, Grant
 from usage_limits.exceptions import InvalidArgument
@@ -143,3 +145,33 @@ def test_settings_come_from_the_environment_and_refuse_bad_values() -> None:
                         ("ATTO_AUDIT_CONCURRENCY", "100")):
         with pytest.raises(InvalidArgument, match=name):
             AuditSettings.from_env({name: value})
+
+
+class _Store:
+    """Grants and charge records of two users; ``down`` fails to answer."""
+
+    def __init__(self, down: str) -> None:
+        self.down = down
+
+    def load(self, user: str) -> Any:
+        from usage_limits.entitlements.exceptions import StoreUnavailable
+        from usage_limits.entitlements.models import UserEntitlements
+
+        if user == self.down:
+            raise StoreUnavailable("unreachable")
+        return UserEntitlements(user, None, None, (grant(consumed=3),))
+
+    def charge_records(self, user: str) -> list[ChargeRecord]:
+        return [charge("r1", 2)]
+
+
+def test_a_user_whose_store_fails_is_a_note_and_the_others_are_audited() -> None:
+    """One user's books cannot be read: the run notes it and audits the others (a grant
+    off by one found), instead of failing as a whole."""
+    import asyncio
+
+    auditor = Auditor(_Store(down="b"), settings=AuditSettings(recheck_s=0))  # type: ignore[arg-type]
+    report = asyncio.run(auditor.run(users=["a", "b", "c"], now_ms=NOW))
+    assert report.users_audited == 2 and set(report.notes) >= {"b"}
+    assert "not audited" in report.notes["b"][0]
+    assert sorted(d.user_id for d in report.divergences) == ["a", "c"]

@@ -285,20 +285,33 @@ class Auditor:
     # --- runs -------------------------------------------------------------------------------
 
     async def _audit_all(self, users: Sequence[str], now_ms: int | None,
-                         time_left_s: Any) -> list[UserAudit]:
+                         time_left_s: Any) -> tuple[list[UserAudit], list[str]]:
         """Audit ``users``, ``concurrency`` at a time, in order; none is started once
-        ``time_left_s()`` is <= 0 (those started finish)."""
+        ``time_left_s()`` is <= 0 (those started finish).
+
+        Returns:
+            (the audits made, the users whose audit failed: DynamoDB or Redis did not
+            answer; each is logged, and the run does not move its mark).
+        """
+        from ..exceptions import LimiterUnavailable
+        from .exceptions import StoreUnavailable
+
         out: list[UserAudit | None] = [None] * len(users)
+        failed: list[str] = []
         queue = iter(range(len(users)))
 
         async def worker() -> None:
             for i in queue:
                 if time_left_s is not None and time_left_s() <= 0:
                     return
-                out[i] = await self.audit_user(users[i], now_ms)
+                try:
+                    out[i] = await self.audit_user(users[i], now_ms)
+                except (StoreUnavailable, LimiterUnavailable) as exc:
+                    log.warning("could not audit a user: %s", exc)
+                    failed.append(users[i])
 
         await asyncio.gather(*(worker() for _ in range(self.settings.concurrency)))
-        return [one for one in out if one is not None]
+        return [one for one in out if one is not None], failed
 
     def last_mark(self) -> int | None:
         """The end of the previous run, ms (None: no run yet)."""
@@ -352,11 +365,13 @@ class Auditor:
         divergences: list[Divergence] = []
         notes: dict[str, tuple[str, ...]] = {}
         repaired: list[str] = []
-        done = await self._audit_all(chosen, now_ms, time_left_s)
-        if len(done) < len(chosen):
+        done, failed = await self._audit_all(chosen, now_ms, time_left_s)
+        for user in failed:
+            notes[user] = ("not audited: DynamoDB or Redis did not answer",)
+        if len(done) + len(failed) < len(chosen):
             log.warning("the audit ran out of time after %d of %d users", len(done),
                         len(chosen))
-            bounded = True
+        bounded = bounded or len(done) < len(chosen)
         for one in done:
             divergences += one.divergences
             repaired += one.repaired

@@ -74,9 +74,10 @@ ENGINES: dict[str, Callable[[], Engine]] = {
 #: The engine of every test outside EVERY_ENGINE_MODULES.
 DEFAULT_ENGINE = "redis7"
 #: tests/integration modules (name prefixes) whose tests run once per engine: the ledger
-#: (budget), the throttle, the connection, the fleet harness and the server fixtures.
+#: (budget), the throttle, the connection, the fleet harness, the server fixtures and the
+#: books' auditor (its read of the ledger is a script).
 EVERY_ENGINE_MODULES = ("test_budget_", "test_throttle", "test_connection", "test_fleet",
-                        "test_servers", "test_usage_records")
+                        "test_servers", "test_usage_records", "test_books_")
 INTEGRATION = Path(__file__).parent / "integration"
 #: tests/integration modules (file names) that measure time across processes under load
 #: (load runs, wake-up lateness, rates per second). Marked ``timing``: `make test` runs them

@@ -13,6 +13,7 @@ from __future__ import annotations
 import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
 
 # isort: split
+import time
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -26,7 +27,7 @@ from usage_limits.entitlements.models import MAX_GRANT_TOKENS, MAX_REASON, Chang
 from usage_limits.entitlements.operator import Operator, Picture
 from usage_limits.entitlements.store import MAX_AUDIT, default_store
 from usage_limits.entitlements.usage_store import MAX_PAGE, default_usage_store
-from usage_limits.exceptions import InvalidArgument
+from usage_limits.exceptions import InvalidArgument, LimiterUnavailable
 from usage_limits.web import ApiError, ErrorBody, create_app, lambda_handler, settings
 from usage_limits.web.errors import error_response, retry_after_header
 from usage_limits.web.identity import operator_principal, shown_id
@@ -45,6 +46,8 @@ CREATED: dict[int | str, dict[str, Any]] = {
     **RESPONSES, 201: {"description": "created by this call"}}
 
 UserId = Annotated[str, Path(min_length=1, max_length=256)]
+#: Seconds ``books`` audits users before it answers (the function times out at 10 s).
+BOOKS_TIME_S = 6.0
 Reason = Annotated[str, Field(min_length=1, max_length=MAX_REASON,
                               description="Why; recorded in the audit log.")]
 Reference = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:@/+=-]{1,128}$",
@@ -80,6 +83,14 @@ class RefundIn(_In):
 class SuspensionIn(_In):
     reason: Reason
     until: AwareDatetime | None = None
+
+
+class BooksIn(_In):
+    user_id: str | None = Field(default=None, min_length=1, max_length=256,
+                                description="Audit this user; default: the users active "
+                                            "since the last scheduled run.")
+    repair: bool = Field(default=False, description="Write usage records that are "
+                                                    "provably missing.")
 
 
 class _Misconfigured(ApiError):
@@ -317,6 +328,40 @@ async def audit(ops: Ops, _: Actor,
     return {"entries": [{"user_id": e.user_id, "action": e.action,
                          "details": details_out(e.details), **_change(e.change)}
                         for e in entries]}
+
+
+@app.post("/admin/v1/books", responses=RESPONSES)
+async def books(body: BooksIn, ops: Ops, _: Actor) -> dict[str, Any]:
+    """Check the books (the conservation audit): one user's, or those of the users active
+    since the last scheduled run (whose mark it leaves alone); every divergence with the
+    command that fixes it. Nothing is changed unless ``repair`` (provably missing usage
+    records only)."""
+    from usage_limits.entitlements.auditor import Auditor
+
+    auditor = Auditor(ops.store, ops.budget.redis, usage_store(), repair=body.repair)
+    deadline = time.monotonic() + BOOKS_TIME_S
+    report = await auditor.run(users=None if body.user_id is None else [body.user_id],
+                               move_mark=False,
+                               time_left_s=lambda: deadline - time.monotonic())
+    return report.to_json()
+
+
+@app.post("/admin/v1/users/{user_id}/reload", responses=RESPONSES)
+async def reload(user_id: UserId, ops: Ops, _: Actor) -> dict[str, Any]:
+    """Drop the user's cached entitlements: the next request loads them from DynamoDB
+    (moves no money; the fix for a cached copy whose credit differs)."""
+    if ops.cache is None:
+        return {"user_id": user_id, "reloaded": False}
+    try:
+        epoch = await ops.cache.refresh(ops.budget, user_id)
+    except LimiterUnavailable as exc:
+        raise NotRefreshed("the cached copy could not be dropped; repeat the call") from exc
+    return {"user_id": user_id, "reloaded": True, "epoch": epoch}
+
+
+def usage_store() -> Any:
+    """The usage-record store of this environment (None: not deployed with it)."""
+    return default_usage_store()
 
 
 def details_out(details: dict[str, Any]) -> dict[str, Any]:

@@ -211,3 +211,44 @@ def test_an_explicit_stack_beats_the_environment_and_every_change_names_its_targ
     assert main(["--stack", "atto-cloud-prod", "--yes", "plan", "set", "u", "pro",
                  "--reason", "r"]) == 0
     assert "(stack atto-cloud-prod)" in capsys.readouterr().err
+
+
+def _books_answer(divergences: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"balanced": not divergences, "divergences": divergences,
+            "divergence_count": len(divergences),
+            "divergence_tokens": sum(d["tokens"] for d in divergences),
+            "users_active": 1, "users_audited": 1, "sample": 1.0,
+            "since": "2026-12-02T10:00:00.000Z", "until": "2026-12-02T11:00:00.000Z",
+            "started": "2026-12-02T11:00:00.000Z", "duration_ms": 5, "repaired": [],
+            "notes": {}}
+
+
+def test_books_prints_each_divergence_with_its_fix_and_exits_3(
+        server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """books posts the user and --repair to the books route, prints every divergence with
+    its fix and exits 3 when the books do not balance, 0 when they do."""
+    divergence = {"kind": "grant_consumed", "user_id": "u", "tokens": 1,
+                  "request_ids": ["r:1"], "reference": "inv", "detail": "consumed 5, its "
+                  "charge records hold 4", "fix": "atto-admin show u", "repaired": False,
+                  "nonce": ""}
+    Captured.answer = (200, _books_answer([divergence]))
+    assert main(["--url", server, "books", "--user", "u", "--repair"]) == 3
+    out = capsys.readouterr().out
+    assert "1 divergences, 1 tokens off" in out and "grant_consumed" in out
+    assert "fix: atto-admin show u" in out
+    request = Captured.requests[-1]
+    assert (request["method"], request["path"]) == ("POST", "/admin/v1/books")
+    assert json.loads(request["body"]) == {"user_id": "u", "repair": True}
+    Captured.answer = (200, _books_answer([]))
+    assert main(["--url", server, "books"]) == 0
+    assert "the books balance" in capsys.readouterr().out
+    assert json.loads(Captured.requests[-1]["body"]) == {"repair": False}
+
+
+def test_reload_posts_to_the_users_reload_route(server: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """reload drops the user's cached copy through its route and says so."""
+    Captured.answer = (200, {"user_id": "a b", "reloaded": True, "epoch": 4})
+    assert main(["--url", server, "reload", "a b"]) == 0
+    assert Captured.requests[-1]["path"] == "/admin/v1/users/a%20b/reload"
+    assert "were dropped" in capsys.readouterr().out

@@ -30,6 +30,8 @@ SPECS = functions(TEMPLATE)
 FUNCTION_SPECS = [spec for i, spec in enumerate(SPECS)
                   if spec.logical_id not in {s.logical_id for s in SPECS[:i]}]
 
+#: Functions with no route: run by the scheduler, with their event files.
+SCHEDULED = {"AuditorFunction": "auditor_schedule.json"}
 #: DESIGN.md, "Public contract": the local app depends on exactly these routes.
 CONTRACT_ROUTES = {
     "POST /v1/structured",
@@ -53,6 +55,8 @@ ADMIN_ROUTES = {
     "PUT /admin/v1/users/{user_id}/suspension",
     "DELETE /admin/v1/users/{user_id}/suspension",
     "GET /admin/v1/audit",
+    "POST /admin/v1/books",
+    "POST /admin/v1/users/{user_id}/reload",
     "GET /admin/v1/users/{user_id}/statement",
     "GET /admin/v1/users/{user_id}/grants/{reference}/history",
 }
@@ -180,11 +184,11 @@ def test_optional_kms_key_encrypts_logs_secrets_and_environment(
                  for name, r in resources.items() if r["Type"] in kinds}
     assert {resources[name]["Type"] for name in encrypted} == set(kinds)
     assert sum(resources[n]["Type"] == "AWS::Lambda::Function"
-               for n in encrypted) == len(FUNCTION_SPECS)
+               for n in encrypted) == len(FUNCTION_SPECS) + len(SCHEDULED)
     assert {name: key for name, key in encrypted.items() if key != KMS_KEY_OR_DEFAULT} == {}
     decrypt = {"Fn::If": ["HasKmsKey", {"Ref": "KmsDecryptPolicy"}, {"Ref": "AWS::NoValue"}]}
-    for spec in FUNCTION_SPECS:
-        assert decrypt in resources[f"{spec.logical_id}Role"]["Properties"]["ManagedPolicyArns"]
+    for name in [*(spec.logical_id for spec in FUNCTION_SPECS), *SCHEDULED]:
+        assert decrypt in resources[f"{name}Role"]["Properties"]["ManagedPolicyArns"]
     policy = resources["KmsDecryptPolicy"]
     assert policy["Condition"] == "HasKmsKey"
     statement, = policy["Properties"]["PolicyDocument"]["Statement"]
@@ -194,9 +198,11 @@ def test_optional_kms_key_encrypts_logs_secrets_and_environment(
 
 
 def test_sam_transform_produces_the_stack(resources: dict[str, Any]) -> None:
-    """The SAM translator turns the template into an HTTP API, eight functions and their roles."""
+    """The SAM translator turns the template into an HTTP API, eight functions behind it and
+    the scheduled auditor, and their roles."""
     types = [r["Type"] for r in resources.values()]
-    assert types.count("AWS::Lambda::Function") == 8
+    assert types.count("AWS::Lambda::Function") == 8 + len(SCHEDULED)
+    assert types.count("AWS::Scheduler::Schedule") == len(SCHEDULED)
     assert types.count("AWS::ApiGatewayV2::Api") == 1
     assert types.count("AWS::Lambda::LayerVersion") == 3
     assert "AWS::ElastiCache::ServerlessCache" in types
@@ -260,7 +266,7 @@ def test_every_event_file_targets_a_route() -> None:
     """No event file names a route that the template does not have."""
     routes = {spec.route_key for spec in SPECS}
     for path in sorted(EVENTS.glob("*.json")):
-        if path.name == "env.json":
+        if path.name == "env.json" or path.name in SCHEDULED.values():
             continue
         event = json.loads(path.read_text())
         assert event["routeKey"] in routes, path.name
@@ -310,7 +316,7 @@ def test_snapstart_is_a_parameter_on_every_function(template: dict[str, Any],
     and a rule refuses it together with provisioned concurrency."""
     assert template["Parameters"]["SnapStart"]["Default"] == "false"
     functions = [r for r in resources.values() if r["Type"] == "AWS::Lambda::Function"]
-    assert len(functions) == len(FUNCTION_SPECS)
+    assert len(functions) == len(FUNCTION_SPECS) + len(SCHEDULED)
     for function in functions:
         assert function["Properties"]["Runtime"] in {"python3.12", "python3.13"}
         assert function["Properties"]["SnapStart"] == {"Fn::If": [
@@ -391,6 +397,11 @@ TABLE_ACTIONS = {
                                           "dynamodb:UpdateItem"},
     ("UsageRecordsWritePolicy", "UsageTable"): {"dynamodb:PutItem", "dynamodb:UpdateItem"},
     ("UsageRecordsReadPolicy", "UsageTable"): {"dynamodb:Query"},
+    # the auditor reads, and puts only into its own mark's partition (a condition on the
+    # leading key); it writes a usage record only when one is provably missing
+    ("AuditorFunctionRole", "EntitlementsTable"): {"dynamodb:GetItem", "dynamodb:Query",
+                                                   "dynamodb:PutItem"},
+    ("AuditorFunctionRole", "UsageTable"): {"dynamodb:Query", "dynamodb:UpdateItem"},
 }
 #: The resources each holder's statement names, per table.
 TABLE_RESOURCES = {
@@ -400,6 +411,8 @@ TABLE_RESOURCES = {
     ("AdminFunctionRole", "UsageTable"): [
         {"Fn::GetAtt": ["UsageTable", "Arn"]}, {"Fn::Sub": "${UsageTable.Arn}/index/by_time"}],
     ("UsageRecordsReadPolicy", "UsageTable"): [{"Fn::Sub": "${UsageTable.Arn}/index/by_time"}],
+    ("AuditorFunctionRole", "UsageTable"): [
+        {"Fn::GetAtt": ["UsageTable", "Arn"]}, {"Fn::Sub": "${UsageTable.Arn}/index/by_time"}],
 }
 
 
@@ -408,8 +421,9 @@ def test_the_table_is_reached_with_named_actions_only_where_needed(
     """DynamoDB permissions are named actions on one table each (no wildcards, no Scan, no
     table management): the admin role's, the request path's load and draw policies (which
     never see the audit index and cannot put or delete items) and the usage records' write
-    and read policies (the writers cannot read, the reader only queries the time index)."""
-    holders = set()
+    and read policies (the writers cannot read, the reader only queries the time index);
+    the auditor puts into the entitlements table only its own mark's partition."""
+    held: dict[tuple[str, str], set[str]] = {}
     for holder, statement in _statements(resources):
         actions = [str(a) for a in _as_list(statement.get("Action", []))]
         dynamo = [a for a in actions if a.lower().startswith("dynamodb:")]
@@ -417,12 +431,15 @@ def test_the_table_is_reached_with_named_actions_only_where_needed(
             continue
         named = json.dumps(statement["Resource"])
         table = "UsageTable" if "UsageTable" in named else "EntitlementsTable"
-        holders.add((holder, table))
-        assert set(dynamo) == TABLE_ACTIONS[holder, table], holder
+        held.setdefault((holder, table), set()).update(dynamo)
+        if holder == "AuditorFunctionRole" and "dynamodb:PutItem" in dynamo:
+            assert dynamo == ["dynamodb:PutItem"] and table == "EntitlementsTable"
+            assert statement["Condition"] == {"ForAllValues:StringEquals": {
+                "dynamodb:LeadingKeys": ["AUDITOR"]}}
         expected = TABLE_RESOURCES.get((holder, table),
                                        [{"Fn::GetAtt": [table, "Arn"]}])
         assert _as_list(statement["Resource"]) == expected, holder
-    assert holders == set(TABLE_ACTIONS)
+    assert held == TABLE_ACTIONS
 
 
 def test_usage_table_is_durable_and_matches_the_store(template: dict[str, Any]) -> None:

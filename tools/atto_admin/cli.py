@@ -9,6 +9,8 @@
     suspend USER --reason R [--until T]         suspend (403 account_suspended)
     unsuspend USER --reason R                   lift the suspension
     audit [--user USER] [--limit N]             operator actions, newest first
+    books [--user USER] [--repair]              check the books balance (exit 3: they do not)
+    reload USER                                 drop the user's cached entitlements
 
 The global options (``--json``, ``--url``, ``--stack``, ...) go before or after the command.
 ``--help`` prints ``DESCRIPTION`` and ``EPILOG``, plain text: where the CLI connects and its
@@ -43,7 +45,7 @@ EPILOG = f"""where it connects:
   do not ask; with no terminal to ask on, it is refused without --yes).
 
 exit status: 0 done, 1 the API refused (its code, message and details go to stderr),
-  2 bad usage."""
+  2 bad usage, 3 books found not to balance (every divergence is printed)."""
 
 #: The global options' values when not given (they are SUPPRESSed in every parser, so
 #: one given after the command is not overwritten by the top level's default).
@@ -51,7 +53,9 @@ GLOBAL_DEFAULTS: dict[str, Any] = {"url": None, "stack": None, "region": None,
                                    "profile": None, "sign": None, "json": False, "yes": False}
 #: The commands that change something (the others only read).
 CHANGES = ("plan set", "plan clear", "grant add", "grant void", "refund", "suspend",
-           "unsuspend")
+           "unsuspend", "reload")
+#: The exit status of ``books`` when the books do not balance.
+UNBALANCED = 3
 
 
 def _global_options() -> argparse.ArgumentParser:
@@ -141,6 +145,14 @@ def parser() -> argparse.ArgumentParser:
     audit = command(sub, "audit", "operator actions, newest first")
     audit.add_argument("--user")
     audit.add_argument("--limit", type=int)
+
+    books = command(sub, "books", "check that the books balance (the conservation audit)")
+    books.add_argument("--user", help="this user only (default: the users active since the "
+                                      "last scheduled run)")
+    books.add_argument("--repair", action="store_true",
+                       help="write the usage records that are provably missing")
+    reload = command(sub, "reload", "drop the user's cached entitlements (moves no money)")
+    reload.add_argument("user")
     return p
 
 
@@ -172,6 +184,10 @@ def run(client: AdminClient, args: argparse.Namespace) -> Any:
         return client.unsuspend(args.user, args.reason)
     if command == "audit":
         return client.audit(args.user, args.limit)
+    if command == "books":
+        return client.books(args.user, repair=args.repair)
+    if command == "reload":
+        return client.reload(args.user)
     raise AssertionError(f"unhandled command {command!r}")  # argparse allows no other
 
 
@@ -278,7 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         text = json.dumps(answer, indent=2) if args.json else render(
             args.command, answer, local=is_local(url))
-    return _print(text)
+    status = _print(text)
+    if args.command == "books" and not answer.get("balanced", False):
+        return UNBALANCED
+    return status
 
 
 def _print(text: str) -> int:

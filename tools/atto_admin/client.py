@@ -255,3 +255,14 @@ class AdminClient:
         """Operator actions, newest first."""
         return self.request("GET", "/admin/v1/audit", query={"user_id": user_id,
                                                               "limit": limit})[1]
+
+    def books(self, user_id: str | None = None, *, repair: bool = False) -> Any:
+        """Check the books (the conservation audit): one user's, or the active users'."""
+        body: dict[str, Any] = {"repair": repair}
+        if user_id is not None:
+            body["user_id"] = user_id
+        return self.request("POST", "/admin/v1/books", body)[1]
+
+    def reload(self, user_id: str) -> Any:
+        """Drop the user's cached entitlements (the next request loads DynamoDB's)."""
+        return self.request("POST", self._user(user_id) + "/reload")[1]

@@ -57,6 +57,27 @@ def _audit(a: dict[str, Any]) -> str:
                      f"{e['reason']}  {_details(e['details'])}".rstrip() for e in a["entries"])
 
 
+def _books(b: dict[str, Any]) -> str:
+    head = (f"{b['users_audited']} of {b['users_active']} users audited "
+            f"(since {b['since']}): ")
+    if b["balanced"]:
+        lines = [head + "the books balance"]
+    else:
+        lines = [head + f"{b['divergence_count']} divergences, "
+                        f"{b['divergence_tokens']} tokens off"]
+    for d in b["divergences"]:
+        where = d["reference"] or " ".join(d["request_ids"])
+        mark = " (repaired)" if d["repaired"] else ""
+        lines.append(f"  {d['kind']:<19} {d['user_id']:<20} {d['tokens']:>8} tokens  "
+                     f"{where}{mark}")
+        lines.append(f"    {d['detail']}")
+        lines.append(f"    fix: {d['fix']}")
+    for user, notes in b.get("notes", {}).items():
+        for note in notes:
+            lines.append(f"  note {user}: {note}")
+    return "\n".join(lines)
+
+
 def _credit(record: dict[str, Any]) -> str:
     """A record's credit draws as ``ref=n ref=n`` ("" for none)."""
     return " ".join(f"{c['reference']}={c['tokens']}" for c in record.get("credit") or [])
@@ -128,6 +149,12 @@ def render(command: str, answer: Any, *, local: bool = False) -> str:
         return _picture(answer)
     if command == "audit":
         return _audit(answer)
+    if command == "books":
+        return _books(answer)
+    if "reloaded" in answer:
+        return (f"the cached entitlements of {answer['user_id']} were dropped: the next "
+                "request loads them from DynamoDB" if answer["reloaded"]
+                else "this deployment caches no entitlements")
     if command == "statement":
         return _statement(answer)
     if "events" in answer and "reference" in answer:

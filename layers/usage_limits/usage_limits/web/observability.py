@@ -63,6 +63,8 @@ REFUNDS_KEPT = "RefundsKept"            # a refund failed and is kept to retry l
 REFUNDS_LOST = "RefundsLost"            # a kept refund was dropped or expired, never made
 CREDIT_DRAWN = "CreditDrawn"            # tokens drawn from credit grants
 EVENTS_FAILED = "EventsFailed"          # events not published within their bound
+LEDGER_DIVERGENCE = "LedgerDivergence"  # divergences one audit run found (0: balanced)
+LEDGER_DIVERGENCE_TOKENS = "LedgerDivergenceTokens"  # tokens off, summed over them
 RECORDS_KEPT = "RecordsKept"            # a usage record's write failed; kept to retry
 RECORDS_LOST = "RecordsLost"            # a kept usage record's write was dropped or expired
 # Provider metrics:
@@ -85,7 +87,7 @@ UNMATCHED_ROUTE = "unmatched"
 REQUEST_METRICS = frozenset({
     REQUESTS, CLIENT_ERRORS, SERVER_ERRORS, TOKENS_RESERVED, TOKENS_REFUNDED, TOKENS_SETTLED,
     BUDGET_REJECTED, LIMITER_UNAVAILABLE, REFUNDS_KEPT, REFUNDS_LOST, CREDIT_DRAWN,
-    EVENTS_FAILED, RECORDS_KEPT, RECORDS_LOST})
+    EVENTS_FAILED, RECORDS_KEPT, RECORDS_LOST, LEDGER_DIVERGENCE, LEDGER_DIVERGENCE_TOKENS})
 REQUEST_DIMENSION_SETS: tuple[tuple[str, ...], ...] = ((ENV, SERVICE_DIMENSION, ROUTE), (ENV,))
 PROVIDER_METRICS = frozenset({
     PROVIDER_CALLS, PROVIDER_WAIT_MS, PROVIDER_BUSY, UPSTREAM_429, UPSTREAM_ERROR,
@@ -184,11 +186,16 @@ def _metrics_disabled() -> bool:
     return os.environ.get("POWERTOOLS_METRICS_DISABLED", "").lower() in {"1", "true"}
 
 
-def flush() -> None:
-    """Write this request's metrics (one EMF line per group) and start afresh."""
+def flush(route: str | None = None) -> None:
+    """Write this request's metrics (one EMF line per group) and start afresh.
+
+    Args:
+        route: the ``route`` dimension's value, for work that is no request (a scheduled
+            run); default the route of the request answered.
+    """
     global _route
     if _metrics is not None and _metrics.values:
-        _metrics.flush({ENV: _stage(), ROUTE: _route or UNMATCHED_ROUTE})
+        _metrics.flush({ENV: _stage(), ROUTE: route or _route or UNMATCHED_ROUTE})
     for provider, found in _provider_metrics.items():
         if found.values:
             found.flush({ENV: _stage(), PROVIDER: provider})

@@ -1,0 +1,78 @@
+"""The scheduled conservation audit: do the books of the users active since the last run
+balance? (EventBridge Scheduler, hourly by default; ``usage_limits.entitlements.auditor``)
+
+Each run writes its report to the logs (one structured JSON line, ``books audit``, with
+every divergence: user, request ids or grant, kind, tokens, the command that fixes it) and
+publishes ``LedgerDivergence`` (the count, 0 when the books balance) and
+``LedgerDivergenceTokens`` (tokens off) as EMF metrics; an alarm fires on any divergence.
+
+The event may name users to audit (``{"users": ["alice"]}``: the mark of the last run is
+then left alone, as for ``atto-admin books --user``); anything else runs over the active
+users. It answers the report's JSON, so ``sam local invoke -e events/auditor_schedule.json``
+shows it.
+"""
+
+from __future__ import annotations
+
+import usage_limits.coldstart  # noqa: F401  (first: no GC while loading; see its docstring)
+
+# isort: split
+import asyncio
+from typing import Any
+
+from usage_limits import coldstart
+from usage_limits.entitlements.audit import AuditReport
+from usage_limits.entitlements.auditor import Auditor
+from usage_limits.entitlements.store import default_store
+from usage_limits.web import observability as obs
+from usage_limits.web import runtime
+
+#: Seconds a run keeps in hand before the Lambda's end: it stops before the next user.
+MARGIN_S = 30.0
+#: The ``route`` dimension of the metrics of a run.
+ROUTE = "scheduled audit"
+
+coldstart.resume()
+
+
+def usage_store() -> Any:
+    """The usage-record store of this environment (None: not deployed with it)."""
+    from usage_limits.entitlements.usage_store import default_usage_store
+
+    return default_usage_store()
+
+
+def publish(report: AuditReport) -> None:
+    """The report to the logs (one JSON line) and its metrics (one EMF line)."""
+    obs.logger().info("books audit", extra=report.to_json())
+    obs.count(obs.LEDGER_DIVERGENCE, len(report.divergences))
+    obs.count(obs.LEDGER_DIVERGENCE_TOKENS, report.tokens)
+    obs.flush(ROUTE)
+
+
+async def audit(event: dict[str, Any], time_left_s: Any) -> AuditReport:
+    """One run over this environment's store, ledger and usage records."""
+    auditor = Auditor(default_store(), runtime.get_redis(), usage_store())
+    users = event.get("users") if isinstance(event, dict) else None
+    if users is not None and (not isinstance(users, list)
+                              or not all(isinstance(u, str) and u for u in users)):
+        raise ValueError('"users" must be a list of user ids')
+    return await auditor.run(users=users, time_left_s=time_left_s)
+
+
+def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """The Lambda entry point: one audit run; its report."""
+    def time_left_s() -> float:
+        if context is None or not hasattr(context, "get_remaining_time_in_millis"):
+            return float("inf")
+        return float(context.get_remaining_time_in_millis()) / 1000 - MARGIN_S
+
+    # a loop of its own, never made current: asyncio.run would leave the thread without
+    # one, and a Mangum app served in the same process (local serving) needs it
+    loop = asyncio.new_event_loop()
+    try:
+        report = loop.run_until_complete(audit(event, time_left_s))
+    finally:
+        loop.close()
+    publish(report)
+    return report.to_json()

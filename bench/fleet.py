@@ -155,7 +155,8 @@ def function_env(redis: FleetRedis, emu: EmulatorProcess,
 
 def credit_env(dynamo: Any, args: argparse.Namespace) -> dict[str, str]:
     """What the functions need to read entitlements from the run's DynamoDB."""
-    return {"ATTO_ENTITLEMENTS_TABLE": TABLE, "ATTO_DYNAMODB_ENDPOINT": dynamo.url,
+    return {"ATTO_ENTITLEMENTS_TABLE": TABLE, "ATTO_USAGE_TABLE": dynamo.usage_table,
+            "ATTO_DYNAMODB_ENDPOINT": dynamo.url,
             "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
             "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
             **credit.plans_env(args.budget, args.quota)}
@@ -315,6 +316,8 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
     }
     if result["credit"] is not None:
         result["invariants"]["credit_conserved"] = credit.credit_ok(result["credit"])
+        result["books"] = audit_books(redis, ctx.dynamo, args, users)
+        result["invariants"]["books_balance"] = result["books"]["balanced"]
     result["ok"] = all(result["invariants"].values())
     (out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     if not args.no_plots:
@@ -329,6 +332,20 @@ def check_credit(operator: credit.CreditOperator, ends: list[dict[str, Any]],
                  undrained: int) -> dict[str, Any]:
     """Invariant 5, with how many kept refunds the processes could not drain."""
     return {**credit.check_credit(operator, ends, in_flight, ledger), "undrained": undrained}
+
+
+def audit_books(redis: FleetRedis, dynamo: Any, args: argparse.Namespace,
+                users: list[str]) -> dict[str, Any]:
+    """Invariant 6: the conservation auditor, as production runs it, finds the books of
+    every user balanced (grants against their charge records, the cached credit against
+    DynamoDB's, the ledger's charges against the usage records)."""
+    from _fleet_audit import run_audit
+
+    report = run_audit(redis.url, dynamo.url, entitlements_table=TABLE,
+                       usage_table=dynamo.usage_table, users=users, cluster=args.cluster)
+    body = report.to_json()
+    return {"balanced": report.balanced, "users": len(users),
+            "divergences": body.get("divergences", []), "notes": body.get("notes", [])}
 
 
 def _count(items: Any) -> dict[str, int]:
@@ -393,6 +410,15 @@ def table(result: dict[str, Any]) -> str:
             f"{cr['undrained']}; operator changes: "
             + ", ".join(f"{k} {v}" for k, v in ops.items())
             + f" ({retried} repeats after a 503) |")
+    books = result.get("books")
+    if books is not None:
+        kinds = _count(d.get("kind", "?") for d in books["divergences"])
+        rows.append(f"| 6. the auditor finds the books balanced | "
+                    f"{mark(inv['books_balance'])} | {books['users']} users audited; "
+                    f"divergences {len(books['divergences'])}"
+                    + (" (" + ", ".join(f"{k} {v}" for k, v in kinds.items()) + ")"
+                       if kinds else "")
+                    + f"; notes {len(books['notes'])} |")
     if result["faults"]:
         rows += ["", "| fault | at (s) | lasted (s) | invocations | errors returned | "
                  "recovered after (s) | note |", "|---|---|---|---|---|---|---|"]

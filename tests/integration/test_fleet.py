@@ -40,11 +40,13 @@ def standalone(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def test_every_invariant_holds(standalone: dict[str, Any]) -> None:
     """No overspend, ledger equals successful work, providers within limits, deadlines kept,
-    paid credit conserved exactly."""
+    paid credit conserved exactly, and the conservation auditor finds the books balanced."""
     assert standalone["invariants"] == {"no_overspend": True, "ledger_equals_work": True,
                                         "providers_within_limit": True,
                                         "deadlines_kept": True,
-                                        "credit_conserved": True}, standalone["_stdout"]
+                                        "credit_conserved": True,
+                                        "books_balance": True}, standalone["_stdout"]
+    assert standalone["books"]["users"] > 0 and standalone["books"]["divergences"] == []
     assert standalone["_rc"] == 0
 
 

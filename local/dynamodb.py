@@ -89,7 +89,8 @@ class DynamoServer:
     the usage records' table.
 
     Args:
-        table, usage_table: the tables' names.
+        table, usage_table: the tables' names (the usage table's default: ``atto-local-usage``
+            beside the default table, else ``<table>-usage``).
         state_file: keep both tables across restarts: their items are read from this JSON
             file at start (when it exists) and written back every ``SAVE_EVERY_S`` and at
             stop; None (the default) keeps nothing.
@@ -100,10 +101,13 @@ class DynamoServer:
         usage_table: the usage records' table's name.
     """
 
-    def __init__(self, table: str = LOCAL_TABLE, usage_table: str = LOCAL_USAGE_TABLE, *,
+    def __init__(self, table: str = LOCAL_TABLE, usage_table: str | None = None, *,
                  state_file: str | None = None) -> None:
         self.table = table
-        self.usage_table = usage_table
+        # moto keeps one backend per process, whatever the port: two servers of one
+        # process see each other's tables, so a server's usage table follows its own name
+        self.usage_table = usage_table or (LOCAL_USAGE_TABLE if table == LOCAL_TABLE
+                                           else f"{table}-usage")
         self.state_file = state_file
         self._client: Any = None
         self._stop: Any = None

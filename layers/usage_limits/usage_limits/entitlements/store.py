@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from .. import snapstart
 from ..exceptions import InvalidArgument
@@ -59,6 +59,7 @@ from .charges import (
     totals,
 )
 from .config import StoreSettings, store_settings
+from .dynamo import DynamoTable
 from .exceptions import GrantConflict, NotFound, StoreUnavailable
 from .models import (
     GRANT_KINDS,
@@ -129,7 +130,6 @@ _FLAG_ATTRS = {"l": "low_at", "x": "exhausted_at"}
 _AUDIT = "A#"
 _MAX_USER_ID = 256
 
-T = TypeVar("T")
 
 
 def _pk(user_id: str) -> str:
@@ -236,7 +236,7 @@ def _suspension(item: Mapping[str, Any]) -> Suspension:
                       change=_change(item))
 
 
-class EntitlementStore:
+class EntitlementStore(DynamoTable):
     """Plan overrides, grants, suspensions and the audit log in one DynamoDB table.
 
     Args:
@@ -249,54 +249,10 @@ class EntitlementStore:
 
     def __init__(self, settings: StoreSettings | None = None, *, client: Any = None) -> None:
         self.settings = settings or store_settings()
-        self.table = self.settings.table
-        self._client = client
+        super().__init__(self.settings, client, name="entitlements", passthrough=frozenset(
+            {"TransactionCanceledException", "ConditionalCheckFailedException"}))
 
     # --- plumbing ---------------------------------------------------------------------------
-
-    @property
-    def client(self) -> Any:
-        """The DynamoDB client, made on first use."""
-        if self._client is None:
-            import boto3
-            from botocore.config import Config
-
-            s = self.settings
-            self._client = boto3.client(
-                "dynamodb", region_name=s.region, endpoint_url=s.endpoint_url,
-                config=Config(connect_timeout=s.connect_timeout_s,
-                              read_timeout=s.read_timeout_s,
-                              retries={"max_attempts": s.max_attempts, "mode": "standard"}))
-        return self._client
-
-    def _call(self, fn: Callable[..., T], **kwargs: Any) -> T:
-        """Call the client; botocore errors become ``StoreUnavailable``."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return fn(**kwargs)
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in (
-                    "TransactionCanceledException", "ConditionalCheckFailedException"):
-                raise
-            raise StoreUnavailable(f"the entitlements store refused the call: "
-                                   f"{exc.response.get('Error', {}).get('Code')}") from exc
-        except BotoCoreError as exc:
-            raise StoreUnavailable(f"the entitlements store is unreachable: {exc}") from exc
-
-    @staticmethod
-    def _ser(item: Mapping[str, Any]) -> dict[str, Any]:
-        from boto3.dynamodb.types import TypeSerializer
-
-        ser = TypeSerializer()
-        return {k: ser.serialize(v) for k, v in item.items() if v is not None}
-
-    @staticmethod
-    def _de(item: Mapping[str, Any]) -> dict[str, Any]:
-        from boto3.dynamodb.types import TypeDeserializer
-
-        de = TypeDeserializer()
-        return {k: de.deserialize(v) for k, v in item.items()}
 
     def _get(self, user_id: str, sk: str) -> dict[str, Any] | None:
         reply = self._call(self.client.get_item, TableName=self.table,

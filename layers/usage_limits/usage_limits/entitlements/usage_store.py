@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, TypeVar
+from typing import Any
 
 from .. import snapstart
 from ..exceptions import InvalidArgument
 from .config import AWS_DEFAULT_REGION_ENV, AWS_REGION_ENV, DYNAMODB_ENDPOINT_ENV
-from .exceptions import StoreUnavailable
+from .dynamo import DynamoTable
 from .usage import (
     ACTIVE_PREFIX,
     DEFAULT_RECORD_DAYS,
@@ -78,7 +78,6 @@ TABLE_DEFINITION: dict[str, Any] = {
     "BillingMode": "PAY_PER_REQUEST",
 }
 
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ def _check_span(from_ms: int, to_ms: int) -> None:
         raise InvalidArgument("to must be later than from")
 
 
-class UsageStore:
+class UsageStore(DynamoTable):
     """Usage records and active-user markers in one DynamoDB table.
 
     Args:
@@ -175,54 +174,10 @@ class UsageStore:
 
     def __init__(self, settings: UsageSettings | None = None, *, client: Any = None) -> None:
         self.settings = settings or usage_settings()
-        self.table = self.settings.table
-        self._client = client
+        super().__init__(self.settings, client, name="usage",
+                         passthrough=frozenset({"ConditionalCheckFailedException"}))
 
     # --- plumbing ---------------------------------------------------------------------------
-
-    @property
-    def client(self) -> Any:
-        """The DynamoDB client, made on first use."""
-        if self._client is None:
-            import boto3
-            from botocore.config import Config
-
-            s = self.settings
-            self._client = boto3.client(
-                "dynamodb", region_name=s.region, endpoint_url=s.endpoint_url,
-                config=Config(connect_timeout=s.connect_timeout_s,
-                              read_timeout=s.read_timeout_s,
-                              retries={"max_attempts": s.max_attempts, "mode": "standard"}))
-        return self._client
-
-    def _call(self, fn: Callable[..., T], **kwargs: Any) -> T:
-        """Call the client; botocore errors become ``StoreUnavailable`` (a failed condition
-        is re-raised as it is: the caller decides what it means)."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return fn(**kwargs)
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == "ConditionalCheckFailedException":
-                raise
-            raise StoreUnavailable(f"the usage store refused the call: "
-                                   f"{exc.response.get('Error', {}).get('Code')}") from exc
-        except BotoCoreError as exc:
-            raise StoreUnavailable(f"the usage store is unreachable: {exc}") from exc
-
-    @staticmethod
-    def _ser(item: Mapping[str, Any]) -> dict[str, Any]:
-        from boto3.dynamodb.types import TypeSerializer
-
-        ser = TypeSerializer()
-        return {k: ser.serialize(v) for k, v in item.items() if v is not None}
-
-    @staticmethod
-    def _de(item: Mapping[str, Any]) -> dict[str, Any]:
-        from boto3.dynamodb.types import TypeDeserializer
-
-        de = TypeDeserializer()
-        return {k: de.deserialize(v) for k, v in item.items()}
 
     def _ttl(self, at_ms: int) -> int:
         return at_ms // 1000 + self.settings.record_days * 86400

@@ -223,7 +223,9 @@ def test_a_charged_record_the_ledger_does_not_count_is_found(
     user = uuid.uuid4().hex
     traffic(user, patch)
     records = write_records(user)
-    victim = next(r for r in records if not r.draws)
+    # the newest charge without credit: one the ledger's oldest counted charge predates
+    victim = max((r for r in records if not r.draws), key=lambda r: r.at_ms)
+    assert victim.at_ms > min(r.at_ms for r in records)
     log, ev = user_keys(user, "log", "ev")
     plain.zrem(log, victim.request_id)
     plain.hdel(ev, victim.request_id)
@@ -328,3 +330,19 @@ def test_the_fleet_end_audit_reports_balanced_books_and_a_planted_divergence(
     plant_off_by_one(user)
     report = run_audit(url, None, **kwargs)
     assert not report.balanced and report.users_audited == 1
+
+
+def test_records_older_than_a_rebuilt_ledger_are_a_note_not_a_divergence(
+        plain: Any, patch: pytest.MonkeyPatch) -> None:
+    """After the ledger was dropped and rebuilt (a restart without persistence), charges
+    made before it are not counted by it: their standing records are a note, while a
+    record newer than the rebuilt ledger's oldest charge would still be compared."""
+    user = uuid.uuid4().hex
+    traffic(user, patch)
+    plain.delete(*user_keys(user, "log", "ev", "meta", "dr"))  # the ledger lost, ent kept
+    assert embed(user, 1) == [200]  # the ledger rebuilt by a new charge
+    report = audit(user)
+    assert [d.kind for d in report.divergences
+            if d.kind in ("record_not_counted", "record_missing")] == []
+    assert any("older than the oldest charge the ledger counts" in n
+               for n in report.notes)

@@ -344,6 +344,17 @@ def check_records(user_id: str, view: LedgerView, records: Sequence[UsageRecordL
                 detail=f"the usage record keeps {r.kept}, the ledger counts {c.cost}",
                 fix=f"atto-admin statement {_q(user_id)}  # then refund or correct by hand"))
     oldest = max(view.clock_ms, now_ms) - view.longest_ms + CLOCK_SLACK_MS
+    # A ledger dropped and rebuilt since (a failover, a restart without persistence) counts
+    # nothing made before it was rebuilt: only records younger than the oldest charge it
+    # counts can be expected in it.
+    first = min((c.at_ms for c in view.charges), default=None)
+    if first is None or first > oldest:
+        if any(r.state in STANDING_STATES and r.kept > 0 and oldest < r.at_ms
+               and (first is None or r.at_ms <= first)
+               and (r.request_id, r.nonce) not in counted for r in records):
+            notes.append("usage records older than the oldest charge the ledger counts are "
+                         "not compared (the ledger may have been dropped since)")
+        oldest = max(oldest, first if first is not None else bound)
     if not view.truncated:
         for r in records:
             if (r.state in STANDING_STATES and r.kept > 0 and oldest < r.at_ms < bound

@@ -85,6 +85,7 @@ class CreditOperator:
         from usage_limits.entitlements.config import StoreSettings
         from usage_limits.entitlements.operator import Operator
         from usage_limits.entitlements.store import EntitlementStore
+        from usage_limits.entitlements.usage_store import UsageSettings, UsageStore
         from usage_limits.web.settings import parse_plans
 
         plans = parse_plans(self.env)
@@ -96,7 +97,10 @@ class CreditOperator:
             p.name: [Window(limit, s) for limit, s in p.windows]
             for p in plans.by_name.values()})
         store = EntitlementStore(StoreSettings.from_env(self.env))
-        return Operator(store, plans, budget, EntitlementCache(store))
+        # as the admin function: a support refund marks the charge's usage record too
+        usage = UsageStore(UsageSettings.from_env(self.env)) \
+            if self.env.get("ATTO_USAGE_TABLE") else None
+        return Operator(store, plans, budget, EntitlementCache(store), usage=usage)
 
     @property
     def store(self) -> Any:

@@ -17,7 +17,9 @@ every support refund made is audited once; a suspended user is not served.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -297,35 +299,42 @@ def test_credit_in_both_stores_matches_the_model(topology: str, request: pytest.
             loop.close()
 
 
+
+@contextlib.contextmanager
+def _machine(redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[CreditMachine]:
+    """One CreditMachine on the session's standalone server and a moto table, for the
+    explicit cases of the model."""
+    _aws_env(monkeypatch)
+    loop = asyncio.new_event_loop()
+    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
+    with mock_aws():
+        CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, _table()
+        try:
+            yield CreditMachine()
+        finally:
+            loop.run_until_complete(client.aclose())
+            loop.close()
+
+
 def test_a_refund_after_a_reload_leaves_the_copy_equal_to_dynamodb(
         redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """An explicit case of the model: a charge drawn, the copy reloaded, the request fails:
     DynamoDB gets the credit back and so does what the user can spend (the copy, not the
     one the charge drew from, is dropped and reloads)."""
 
-    _aws_env(monkeypatch)
-    loop = asyncio.new_event_loop()
-    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
-    with mock_aws():
-        boto = _table()
-        CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
-        try:
-            machine = CreditMachine()
-            machine.add_grant(8)
-            for _ in range(3):
-                machine.request(2, None)
-            machine.reload()
-            machine.books_balance()
+    with _machine(redis_server, monkeypatch) as machine:
+        machine.add_grant(8)
+        for _ in range(3):
+            machine.request(2, None)
+        machine.reload()
+        machine.books_balance()
 
-            class Last:
-                def draw(self, strategy: Any) -> str:
-                    return sorted(machine.served)[-1]
+        class Last:
+            def draw(self, strategy: Any) -> str:
+                return sorted(machine.served)[-1]
 
-            machine.fail_or_settle(Last(), None, None, True)  # type: ignore[arg-type]
-            machine.books_balance()
-        finally:
-            loop.run_until_complete(client.aclose())
-            loop.close()
+        machine.fail_or_settle(Last(), None, None, True)  # type: ignore[arg-type]
+        machine.books_balance()
 
 
 def test_a_refund_whose_answer_was_lost_gives_the_copy_its_credit_back(
@@ -333,31 +342,21 @@ def test_a_refund_whose_answer_was_lost_gives_the_copy_its_credit_back(
     """A failed request's refund lands in DynamoDB but its answer is lost, so the refund is
     kept; when it is retried (finding the return already made) the copy lets the user
     spend exactly what DynamoDB holds, not 2 tokens less."""
-    _aws_env(monkeypatch)
-    loop = asyncio.new_event_loop()
-    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
-    with mock_aws():
-        boto = _table()
-        CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
-        try:
-            machine = CreditMachine()
-            machine.add_grant(8)
-            for _ in range(3):  # the quota is 4: the third request draws its 2 from credit
-                machine.request(2, None)
-            last = sorted(machine.served)[-1]
-            assert machine.served[last]["standing"] == {"g0": 2}
+    with _machine(redis_server, monkeypatch) as machine:
+        machine.add_grant(8)
+        for _ in range(3):  # the quota is 4: the third request draws its 2 from credit
+            machine.request(2, None)
+        last = sorted(machine.served)[-1]
+        assert machine.served[last]["standing"] == {"g0": 2}
 
-            class Last:
-                def draw(self, strategy: Any) -> str:
-                    return last
+        class Last:
+            def draw(self, strategy: Any) -> str:
+                return last
 
-            machine.fail_or_settle(Last(), "lost", None, True)  # type: ignore[arg-type]
-            assert machine.kept  # the return's answer was lost: kept, as the middleware does
-            machine._retry_kept()
-            machine.books_balance()
-        finally:
-            loop.run_until_complete(client.aclose())
-            loop.close()
+        machine.fail_or_settle(Last(), "lost", None, True)  # type: ignore[arg-type]
+        assert machine.kept  # the return's answer was lost: kept, as the middleware does
+        machine._retry_kept()
+        machine.books_balance()
 
 
 def test_a_support_refund_whose_answer_was_lost_gives_the_copy_its_credit_when_repeated(
@@ -367,35 +366,25 @@ def test_a_support_refund_whose_answer_was_lost_gives_the_copy_its_credit_when_r
     spend exactly what DynamoDB holds, the refunded credit included."""
     from usage_limits.entitlements import StoreUnavailable
 
-    _aws_env(monkeypatch)
-    loop = asyncio.new_event_loop()
-    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5.0)
-    with mock_aws():
-        boto = _table()
-        CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
-        try:
-            machine = CreditMachine()
-            machine.add_grant(8)
-            for _ in range(3):  # the third request draws its 2 from credit
-                machine.request(2, None)
-            rid = sorted(machine.served)[-1]
-            real = machine.store.refund_charge
+    with _machine(redis_server, monkeypatch) as machine:
+        machine.add_grant(8)
+        for _ in range(3):  # the third request draws its 2 from credit
+            machine.request(2, None)
+        rid = sorted(machine.served)[-1]
+        real = machine.store.refund_charge
 
-            def applied_then_lost(*args: Any, **kwargs: Any) -> Any:
-                real(*args, **kwargs)
-                raise StoreUnavailable("read timeout")
+        def applied_then_lost(*args: Any, **kwargs: Any) -> Any:
+            real(*args, **kwargs)
+            raise StoreUnavailable("read timeout")
 
-            machine.store.refund_charge = applied_then_lost  # type: ignore[method-assign]
-            with pytest.raises(StoreUnavailable):
-                machine.run(machine.operator.refund(machine.user, rid, actor="op",
-                                                    reason="support"))
-            machine.store.refund_charge = real  # type: ignore[method-assign]
-            done, created = machine.run(machine.operator.refund(machine.user, rid,
-                                                                actor="op", reason="again"))
-            assert not created and done.credit == (("g0", 2),)
-            machine.refunds_made += 1
-            machine._returned(rid, done.credit, True)
-            machine.books_balance()
-        finally:
-            loop.run_until_complete(client.aclose())
-            loop.close()
+        machine.store.refund_charge = applied_then_lost  # type: ignore[method-assign]
+        with pytest.raises(StoreUnavailable):
+            machine.run(machine.operator.refund(machine.user, rid, actor="op",
+                                                reason="support"))
+        machine.store.refund_charge = real  # type: ignore[method-assign]
+        done, created = machine.run(machine.operator.refund(machine.user, rid,
+                                                            actor="op", reason="again"))
+        assert not created and done.credit == (("g0", 2),)
+        machine.refunds_made += 1
+        machine._returned(rid, done.credit, True)
+        machine.books_balance()

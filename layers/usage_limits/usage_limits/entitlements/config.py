@@ -7,7 +7,7 @@ default). Explicit arguments beat the environment.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -48,18 +48,23 @@ class StoreSettings:
         Raises:
             InvalidArgument: ``ATTO_ENTITLEMENTS_TABLE`` is not set.
         """
-        source = os.environ if env is None else env
-
-        def get(name: str) -> str | None:
-            value = source.get(name, "").strip()
-            return value or None
-
+        get = env_reader(env)
         table = get(ENTITLEMENTS_TABLE_ENV)
         if table is None:
             raise InvalidArgument(f"{ENTITLEMENTS_TABLE_ENV} is not set (the entitlements "
                                   "DynamoDB table)")
         return cls(table=table, endpoint_url=get(DYNAMODB_ENDPOINT_ENV),
                    region=get(AWS_REGION_ENV) or get(AWS_DEFAULT_REGION_ENV))
+
+
+def env_reader(env: Mapping[str, str] | None = None) -> Callable[[str], str | None]:
+    """A lookup of ``env`` (default ``os.environ``) that counts empty or blank as unset."""
+    source = os.environ if env is None else env
+
+    def get(name: str) -> str | None:
+        return source.get(name, "").strip() or None
+
+    return get
 
 
 @cache

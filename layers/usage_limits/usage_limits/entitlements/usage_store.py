@@ -16,7 +16,6 @@ boto3 is imported on first use, never at module import (cold start).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,7 +24,12 @@ from typing import Any
 
 from .. import snapstart
 from ..exceptions import InvalidArgument
-from .config import AWS_DEFAULT_REGION_ENV, AWS_REGION_ENV, DYNAMODB_ENDPOINT_ENV
+from .config import (
+    AWS_DEFAULT_REGION_ENV,
+    AWS_REGION_ENV,
+    DYNAMODB_ENDPOINT_ENV,
+    env_reader,
+)
 from .dynamo import DynamoTable
 from .usage import (
     ACTIVE_PREFIX,
@@ -110,12 +114,7 @@ class UsageSettings:
             InvalidArgument: ``ATTO_USAGE_TABLE`` is not set, or
                 ``ATTO_USAGE_RECORDS_DAYS`` is not a whole number of days >= 1.
         """
-        source = os.environ if env is None else env
-
-        def get(name: str) -> str | None:
-            value = source.get(name, "").strip()
-            return value or None
-
+        get = env_reader(env)
         table = get(USAGE_TABLE_ENV)
         if table is None:
             raise InvalidArgument(f"{USAGE_TABLE_ENV} is not set (the usage records' "

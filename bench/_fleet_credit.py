@@ -17,7 +17,10 @@ drew less what came back); the credit DynamoDB holds consumed equals the credit 
 successful requests (from the invocation records, not replays, not support-refunded) still
 hold, plus what was forfeited to a void; no failed request holds credit; each successful
 charge's draws in DynamoDB equal the ledger's (Redis) draws of it; and what the Redis copy
-lets each user spend equals what DynamoDB says (remaining of the live grants).
+lets each user spend equals what DynamoDB says (remaining of the live grants), less the
+draws of requests killed mid-flight that no charge record holds: the copy draws before
+DynamoDB records, and a dead Lambda's draw stays on the copy until its hold ends and the
+user's next request claims it (the auditor's "draws on their way").
 """
 
 from __future__ import annotations
@@ -247,7 +250,7 @@ def check_credit(operator: CreditOperator, ends: list[dict[str, Any]],
     copy_differs, served_suspended = [], []
     totals = {"granted": 0, "consumed": 0, "spent_by_successful": 0, "forfeited": 0,
               "returned": 0, "records": 0, "drawn_requests": 0, "remaining": 0,
-              "charges_that_drew": 0, "drawn": 0,
+              "charges_that_drew": 0, "drawn": 0, "killed_draws_on_the_way": 0,
               "support_refunds": sum(len(v) for v in operator.refunded.values()),
               "voided_grants": 0}
     for user in operator.users:
@@ -255,6 +258,10 @@ def check_credit(operator: CreditOperator, ends: list[dict[str, Any]],
         charges = store.charge_records(user)
         held: dict[str, int] = defaultdict(int)
         spent = forfeited = 0
+        recorded = {c.request_id for c in charges if c.draws}
+        on_the_way = sum(n for (u, rid) in killed if u == user and rid not in recorded
+                         for n in [ledger.get(user, {}).get("draws", {}).get(rid, 0)])
+        totals["killed_draws_on_the_way"] += on_the_way
         for c in charges:
             totals["records"] += 1
             totals["charges_that_drew"] += bool(c.draws)
@@ -302,8 +309,9 @@ def check_credit(operator: CreditOperator, ends: list[dict[str, Any]],
         totals["forfeited"] += forfeited
         totals["remaining"] += spendable
         seen, raw = operator.copy_credit(user)
-        if seen != spendable:
+        if seen != spendable - on_the_way:
             copy_differs.append({"user": user, "copy": seen, "dynamodb": spendable,
+                                 "killed_draws_on_the_way": on_the_way,
                                  "copy_fields": raw, "grants": [
                                      (g.reference, g.tokens, g.consumed, g.voided is not None)
                                      for g in record.grants]})

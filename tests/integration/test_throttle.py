@@ -53,6 +53,24 @@ async def test_slots_are_spaced_by_the_emission_interval(client: Any, uid: str) 
         assert after.granted_at >= after.slot_at - 0.002
 
 
+async def test_the_first_slot_after_a_pause_is_kept_when_the_clocks_drift(
+        client: Any, uid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wall clock runs 1% slow against the loop's (a slewing clock, or a moment between
+    the two readings): the caller holding the slot at the pause's very end still goes at
+    it, and takes no second slot."""
+    import usage_limits.throttle as throttle_module
+
+    real, t0 = time.time, time.time()
+    slow = type("Clock", (), {"time": staticmethod(lambda: t0 + (real() - t0) * 0.99)})
+    th = ProviderThrottle(client, uid, jitter_s=0, rate=50, burst=1)
+    monkeypatch.setattr(throttle_module, "time", slow)
+    until = await th.pause(0.2)
+    got = sorted(await asyncio.gather(*(th.admit(max_wait_s=1) for _ in range(3))),
+                 key=lambda a: a.seq)
+    assert [a.seq for a in got] == [1, 2, 3]
+    assert got[0].slot_at == pytest.approx(until, abs=EPS)
+
+
 async def test_burst_is_admitted_at_once_then_the_rate(client: Any, uid: str) -> None:
     """A burst of 3 starts immediately; the 4th call's slot is one interval later."""
     th = ProviderThrottle(client, uid, jitter_s=0, rate=10, burst=3)

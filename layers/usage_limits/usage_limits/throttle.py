@@ -444,7 +444,11 @@ class ProviderThrottle:
                     # or moves it to a slot after the pause.
                     await _sleep_until(loop, due - lead)
                     now = time.time()
-                    call_at = now + (due - loop.time())
+                    # The recheck asks whether the slot it holds lies in a pause. Not a
+                    # call time re-derived from two clocks: read a moment apart, they put
+                    # it early by that moment, and the slot at a pause's very end (the
+                    # first one after it) would be given up for nothing.
+                    call_at = slot_at
                     recheck = True
                     continue
             # admitted == 2: a recheck found no pause at this caller's slot.

@@ -28,7 +28,7 @@ ARGV[4]  cost          this request's cost, cost units (> 0)
 ARGV[5]  max_wait_ms   longest wait the caller accepts, ms (>= 0)
 ARGV[6]  answer_ttl_ms how long a reservation's answer is kept for a re-sent call, ms
 ARGV[7]  recheck       1: the caller slept to a slot it holds; 0: an ordinary reservation
-ARGV[8]  call_at_ms    recheck only: when the caller will call (its slot), caller's clock, ms
+ARGV[8]  call_at_ms    recheck only: the slot the caller holds (its answer's slot_ms), ms
 
 Returns {admitted, wait_ms, slot_ms, seq}:
   admitted  1 when a slot was reserved (now or by the same call before), 0 when it lies

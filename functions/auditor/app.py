@@ -7,7 +7,7 @@ publishes ``LedgerDivergence`` (the count, 0 when the books balance) and
 ``LedgerDivergenceTokens`` (tokens off) as EMF metrics; an alarm fires on any divergence.
 
 The event may name users to audit (``{"users": ["alice"]}``: the mark of the last run is
-then left alone, as for ``atto-admin books --user``); anything else runs over the active
+then left alone, as for ``atto-admin audit --user``); anything else runs over the active
 users. It answers the report's JSON, so ``sam local invoke -e events/auditor_schedule.json``
 shows it.
 """

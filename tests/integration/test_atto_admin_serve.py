@@ -86,7 +86,7 @@ def test_every_command_against_make_serve(served: Served) -> None:
     assert suspended["suspension"]["active"] is True
     assert cli(served, "unsuspend", user, "--reason", "appeal")[1]["lifted"] is True
 
-    entries = cli(served, "audit", "--user", user)[1]["entries"]
+    entries = cli(served, "log", "--user", user)[1]["entries"]
     assert [e["action"] for e in entries] == [
         "suspension.lift", "suspension.set", "refund", "grant.void", "grant.create",
         "plan.clear", "plan.set"]
@@ -336,7 +336,7 @@ def test_audit_lines_show_details_as_pairs_with_rfc3339_instants(served: Served)
     assert cli(served, "grant", "add", user, "--tokens", "5", "--kind", "promo",
                "--reference", "camp-a", "--expires-at", "2099-01-31T00:00:00Z",
                "--reason", "welcome")[0] == 0
-    code, out, _ = cli(served, "audit", "--user", user, json_out=False)
+    code, out, _ = cli(served, "log", "--user", user, json_out=False)
     assert code == 0
     (line,) = out.strip().splitlines()
     assert line.endswith("expires_at=2099-01-31T00:00:00.000Z kind=promo reference=camp-a "

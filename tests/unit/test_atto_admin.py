@@ -106,7 +106,7 @@ def test_signed_requests_carry_a_valid_sigv4_signature(server: str) -> None:
     client = AdminClient(server, sign=True, region="eu-west-1")
     client.create_grant("user 1/é", tokens=500, kind="paid", reference="inv_123",
                         reason="bought", expires_at="2027-01-31T00:00:00Z")
-    client.audit("user 1", limit=5)
+    client.log("user 1", limit=5)
     grant, audit = Captured.requests
     assert grant["path"] == "/admin/v1/users/user%201%2F%C3%A9/grants"
     assert json.loads(grant["body"]) == {"tokens": 500, "kind": "paid", "reference": "inv_123",
@@ -223,16 +223,16 @@ def _books_answer(divergences: list[dict[str, Any]]) -> dict[str, Any]:
             "notes": {}}
 
 
-def test_books_prints_each_divergence_with_its_fix_and_exits_3(
+def test_audit_prints_each_divergence_with_its_fix_and_exits_3(
         server: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """books posts the user and --repair to the books route, prints every divergence with
+    """audit posts the user and --repair to the books route, prints every divergence with
     its fix and exits 3 when the books do not balance, 0 when they do."""
     divergence = {"kind": "grant_consumed", "user_id": "u", "tokens": 1,
                   "request_ids": ["r:1"], "reference": "inv", "detail": "consumed 5, its "
                   "charge records hold 4", "fix": "atto-admin show u", "repaired": False,
                   "nonce": ""}
     Captured.answer = (200, _books_answer([divergence]))
-    assert main(["--url", server, "books", "--user", "u", "--repair"]) == 3
+    assert main(["--url", server, "audit", "--user", "u", "--repair"]) == 3
     out = capsys.readouterr().out
     assert "1 divergences, 1 tokens off" in out and "grant_consumed" in out
     assert "fix: atto-admin show u" in out
@@ -240,7 +240,7 @@ def test_books_prints_each_divergence_with_its_fix_and_exits_3(
     assert (request["method"], request["path"]) == ("POST", "/admin/v1/books")
     assert json.loads(request["body"]) == {"user_id": "u", "repair": True}
     Captured.answer = (200, _books_answer([]))
-    assert main(["--url", server, "books"]) == 0
+    assert main(["--url", server, "audit"]) == 0
     assert "the books balance" in capsys.readouterr().out
     assert json.loads(Captured.requests[-1]["body"]) == {"repair": False}
 

@@ -8,8 +8,8 @@
     refund USER REQUEST_ID --reason R           refund one charge, at most once
     suspend USER --reason R [--until T]         suspend (403 account_suspended)
     unsuspend USER --reason R                   lift the suspension
-    audit [--user USER] [--limit N]             operator actions, newest first
-    books [--user USER] [--repair]              check the books balance (exit 3: they do not)
+    log [--user USER] [--limit N]               operator actions (the audit log), newest first
+    audit [--user USER] [--repair]              check that the books balance (exit 3: they do not)
     reload USER                                 drop the user's cached entitlements
 
 The global options (``--json``, ``--url``, ``--stack``, ...) go before or after the command.
@@ -54,7 +54,7 @@ GLOBAL_DEFAULTS: dict[str, Any] = {"url": None, "stack": None, "region": None,
 #: The commands that change something (the others only read).
 CHANGES = ("plan set", "plan clear", "grant add", "grant void", "refund", "suspend",
            "unsuspend", "reload")
-#: The exit status of ``books`` when the books do not balance.
+#: The exit status of ``audit`` when the books do not balance.
 UNBALANCED = 3
 
 
@@ -142,14 +142,14 @@ def parser() -> argparse.ArgumentParser:
     unsuspend.add_argument("user")
     unsuspend.add_argument("--reason", required=True)
 
-    audit = command(sub, "audit", "operator actions, newest first")
-    audit.add_argument("--user")
-    audit.add_argument("--limit", type=int)
+    log = command(sub, "log", "operator actions (the audit log), newest first")
+    log.add_argument("--user")
+    log.add_argument("--limit", type=int)
 
-    books = command(sub, "books", "check that the books balance (the conservation audit)")
-    books.add_argument("--user", help="this user only (default: the users active since the "
+    audit = command(sub, "audit", "check that the books balance (the conservation audit)")
+    audit.add_argument("--user", help="this user only (default: the users active since the "
                                       "last scheduled run)")
-    books.add_argument("--repair", action="store_true",
+    audit.add_argument("--repair", action="store_true",
                        help="write the usage records that are provably missing")
     reload = command(sub, "reload", "drop the user's cached entitlements (moves no money)")
     reload.add_argument("user")
@@ -182,10 +182,10 @@ def run(client: AdminClient, args: argparse.Namespace) -> Any:
         return client.suspend(args.user, args.reason, args.until)
     if command == "unsuspend":
         return client.unsuspend(args.user, args.reason)
+    if command == "log":
+        return client.log(args.user, args.limit)
     if command == "audit":
-        return client.audit(args.user, args.limit)
-    if command == "books":
-        return client.books(args.user, repair=args.repair)
+        return client.audit(args.user, repair=args.repair)
     if command == "reload":
         return client.reload(args.user)
     raise AssertionError(f"unhandled command {command!r}")  # argparse allows no other
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = json.dumps(answer, indent=2) if args.json else render(
             args.command, answer, local=is_local(url))
     status = _print(text)
-    if args.command == "books" and not answer.get("balanced", False):
+    if args.command == "audit" and not answer.get("balanced", False):
         return UNBALANCED
     return status
 

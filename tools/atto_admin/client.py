@@ -251,12 +251,12 @@ class AdminClient:
         return self.request("GET", self._user(user_id) + "/grants/" + quote(reference, safe="")
                             + "/history")[1]
 
-    def audit(self, user_id: str | None = None, limit: int | None = None) -> Any:
-        """Operator actions, newest first."""
+    def log(self, user_id: str | None = None, limit: int | None = None) -> Any:
+        """Operator actions (the audit log), newest first."""
         return self.request("GET", "/admin/v1/audit", query={"user_id": user_id,
                                                               "limit": limit})[1]
 
-    def books(self, user_id: str | None = None, *, repair: bool = False) -> Any:
+    def audit(self, user_id: str | None = None, *, repair: bool = False) -> Any:
         """Check the books (the conservation audit): one user's, or the active users'."""
         body: dict[str, Any] = {"repair": repair}
         if user_id is not None:

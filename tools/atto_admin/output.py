@@ -50,7 +50,7 @@ def _picture(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _audit(a: dict[str, Any]) -> str:
+def _log(a: dict[str, Any]) -> str:
     if not a["entries"]:
         return "no operator actions"
     return "\n".join(f"{e['at']}  {e['user_id']:<20} {e['action']:<16} by {e['by']}: "
@@ -147,9 +147,9 @@ def render(command: str, answer: Any, *, local: bool = False) -> str:
     """The answer of ``command`` as lines for a person."""
     if command == "show":
         return _picture(answer)
+    if command == "log":
+        return _log(answer)
     if command == "audit":
-        return _audit(answer)
-    if command == "books":
         return _books(answer)
     if "reloaded" in answer:
         return (f"the cached entitlements of {answer['user_id']} were dropped: the next "

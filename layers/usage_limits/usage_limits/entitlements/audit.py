@@ -177,7 +177,7 @@ def _q(text: str) -> str:
 
 
 def _audit_cmd(user_id: str) -> str:
-    return f"atto-admin books --user {_q(user_id)}"
+    return f"atto-admin audit --user {_q(user_id)}"
 
 
 def charge_holdings(records: Iterable[ChargeRecord]) -> dict[str, int]:

@@ -441,3 +441,65 @@ def test_a_success_whose_confirm_meets_busy_answers_charged_unknown(
     finally:
         other.close()
         admin.close()
+
+
+# ------------------------------------------------- budget_audit_read.lua (the auditor's read)
+
+
+async def _audit_view(client: aioredis.Redis, user: str) -> object:
+    """The auditor's one read of ``user``'s ledger and copy (``Auditor.read_ledger``)."""
+    from usage_limits.entitlements.auditor import Auditor, AuditSettings
+
+    auditor = Auditor(None, client, settings=AuditSettings())  # type: ignore[arg-type]
+    return await auditor.read_ledger(user, T0 + 3)
+
+
+async def test_the_auditors_read_serves_under_out_of_memory_and_on_a_replica(
+        server: RedisServer, drawn: tuple[TokenBudget, str, str]) -> None:
+    """The auditor's read writes nothing, so neither maxmemory with noeviction nor a
+    replica refuses it: it returns the very view the primary gives (never an error the
+    auditor would have to take for an outage, nor a partial view)."""
+    budget, user, _ = drawn
+    before = await _audit_view(budget.redis, user)
+    assert before.epoch == 1 and [c.request_id for c in before.charges] == [  # type: ignore[attr-defined]
+        "d1", "fill"]
+    await budget.redis.config_set("maxmemory-policy", "noeviction")
+    await budget.redis.config_set("maxmemory", "1")
+    try:
+        with pytest.raises(LimiterUnavailable, match="OOM"):  # a write is refused meanwhile
+            await budget.reserve(user, "d9", 1, now_ms=T0 + 2)
+        assert await _audit_view(budget.redis, user) == before
+    finally:
+        await budget.redis.config_set("maxmemory", "0")
+    await budget.redis.config_set("repl-diskless-sync-delay", "0")
+    with RedisServer(extra=["--replicaof", "127.0.0.1", str(server.port)]) as replica:
+        client = _client(replica.port)
+        try:
+            deadline = time.monotonic() + 10
+            while (await client.info("replication")).get("master_link_status") != "up":
+                assert time.monotonic() < deadline, "the replica never synced"
+                await asyncio.sleep(0.05)
+            assert await budget.redis.wait(1, 5000) == 1
+            assert await _audit_view(client, user) == before
+        finally:
+            await client.aclose()
+
+
+async def test_the_auditors_read_on_a_busy_server_is_limiter_unavailable(
+        server: RedisServer, drawn: tuple[TokenBudget, str, str]) -> None:
+    """While another client's script runs past busy-reply-threshold the auditor's read
+    raises LimiterUnavailable of kind BUSY (the run then notes the user "not audited"),
+    and reads the same view once the script is done."""
+    budget, user, _ = drawn
+    before = await _audit_view(budget.redis, user)
+    await budget.redis.config_set("busy-reply-threshold", "50")
+    other = redis.Redis(port=server.port, socket_timeout=10)
+    runner = threading.Thread(target=other.eval, args=(LONG_SCRIPT, 0, "0.8"), daemon=True)
+    runner.start()
+    await asyncio.sleep(0.3)
+    out = await outcomes({"read": lambda: _audit_view(budget.redis, user)})
+    runner.join()
+    other.close()
+    assert isinstance(out["read"], LimiterUnavailable), out["read"]
+    assert error_kind(out["read"].__cause__) == "BUSY"  # type: ignore[arg-type]
+    assert await _audit_view(budget.redis, user) == before

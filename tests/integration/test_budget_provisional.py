@@ -24,6 +24,7 @@ from tests.metered import handler, metered_app
 from tests.resend import Resending
 from usage_limits import TokenBudget, Window
 from usage_limits._scripts import script
+from usage_limits.budget import LiveGrant
 from usage_limits.connection import redis_from_env
 from usage_limits.keys import user_keys
 from usage_limits.web import holds, idempotency, refunds, runtime, settings
@@ -76,6 +77,40 @@ async def test_a_resent_claim_claims_nothing_more(redis_client: Any, uid: str) -
     assert (await budget.hold(uid, "b", nonce="foreign", now_ms=T0 + 120)).confirmed is False
     assert (await budget.hold(uid, "b", nonce="foreign", now_ms=T0 + 200)).claimed[-1] \
         .request_id == "b"
+
+
+async def test_a_confirm_with_its_claim_run_twice_moves_nothing_more(redis_client: Any,
+                                                                   uid: str) -> None:
+    """A confirm that also claims (the middleware's call), with credit drawn, sent twice and
+    then once more late: each run confirms the charge and tells the same claimed charge
+    (drew=True), the keys are as after one run, and a claimed charge's confirm run twice
+    is refused both times."""
+    budget = TokenBudget(redis_client, [Window(10, 60)], entitlements=True)
+    assert await budget.load_entitlements(uid, epoch=1, plan=None, suspended_until_ms=None,
+                                          grants=[LiveGrant("g", 20, 20, None, "paid")])
+    assert (await budget.reserve(uid, "fill", 10, now_ms=T0)).drawn == 0
+    stale = await budget.reserve(uid, "stale", 3, now_ms=T0 + 1, hold_ms=100)
+    mine = await budget.reserve(uid, "mine", 4, now_ms=T0 + 2, hold_ms=60_000)
+    assert (stale.drawn, mine.drawn) == (3, 4)
+    resending = Resending(redis_client)
+    twice = TokenBudget(resending, [Window(10, 60)], entitlements=True)
+    held = await twice.hold(uid, "mine", nonce=mine.nonce, now_ms=T0 + 1_000)
+    assert held.confirmed is True
+    assert [(c.request_id, c.nonce, c.cost, c.drew) for c in held.claimed] == [
+        ("stale", stale.nonce, 3, True)]
+    keys = user_keys(uid, "ev", "pv", "dr", "log", "meta", "ent")
+
+    async def state() -> list[Any]:
+        return [await redis_client.dump(k) for k in keys]
+
+    after_one = await state()
+    late = await resending.replay(resending.calls[-1])
+    assert late == [1, b"stale", stale.nonce.encode(), 3, 1]
+    assert await state() == after_one
+    assert await redis_client.zrange(keys[1], 0, -1, withscores=True) == [(b"stale", -1.0)]
+    assert (await twice.hold(uid, "stale", nonce=stale.nonce, now_ms=T0 + 1_000,
+                             claim=0)).confirmed is False
+    assert await state() == after_one
 
 
 async def test_a_retry_after_the_claim_is_a_new_charge(redis_client: Any, uid: str) -> None:

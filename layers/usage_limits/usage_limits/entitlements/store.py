@@ -6,7 +6,8 @@ One table, on-demand, point-in-time recovery on (template.yaml ``EntitlementsTab
     U#<user>    E#PLAN                     the plan override
     U#<user>    E#SUSP                     the suspension
     U#<user>    E#G#<reference>            a grant (tokens, consumed, kind, expiry, voided;
-                                           expired_at, forfeited once seen expired unused)
+                                           expired_at, forfeited once seen expired unused,
+                                           expired_by: the token of the call that did)
     U#<user>    E#LOAD                     the load epoch: raised by every load of the cache
                                            and every operator change
     U#<user>    C#<request id>#<nonce>     one charge's credit: drawn, returned, forfeited
@@ -450,11 +451,16 @@ class EntitlementStore(DynamoTable):
 
         The write is conditioned on the grant as read (not voided, expired by ``now_ms``,
         ``consumed`` unchanged) and on no ``expired_at`` yet, so of all the loads and reads
-        that see it expired exactly one records it and reports it.
+        that see it expired exactly one records it and reports it. Each call writes a
+        token of its own beside them (``expired_by``): when botocore re-sends the write
+        after its answer was lost, the re-send fails the condition, and the item the
+        failure returns carries this call's token, so the call still knows it recorded
+        it. An answer lost on every attempt raises: the expiry stands, recorded, and no
+        call reports it (at most once).
 
         Returns:
-            True when this call recorded it; False when it was recorded already, or the
-            grant changed since it was read (a later read records it).
+            True when this call recorded it; False when it was recorded already (by
+            another call), or the grant changed since it was read (a later read records it).
 
         Raises:
             StoreUnavailable: DynamoDB failed.
@@ -464,18 +470,23 @@ class EntitlementStore(DynamoTable):
         if grant.expires_at_ms is None or grant.expires_at_ms > now_ms or grant.voided:
             return False
         key = {"pk": _pk(user_id), "sk": _GRANT + check_reference(grant.reference)}
+        token = uuid.uuid4().hex
         try:
             self._call(self.client.update_item, TableName=self.table, Key=self._ser(key),
                        ConditionExpression="attribute_exists(pk) AND "
                                            "attribute_not_exists(expired_at) AND "
                                            "attribute_not_exists(void_at) AND "
                                            "expires_at <= :t AND #c = :c",
-                       UpdateExpression="SET expired_at = :t, forfeited = :f",
+                       UpdateExpression="SET expired_at = :t, forfeited = :f, "
+                                        "expired_by = :k",
                        ExpressionAttributeNames={"#c": "consumed"},  # a reserved word
                        ExpressionAttributeValues=self._ser(
-                           {":t": now_ms, ":c": grant.consumed, ":f": grant.remaining}))
-        except ClientError:  # the condition failed: recorded already, or changed
-            return False
+                           {":t": now_ms, ":c": grant.consumed, ":f": grant.remaining,
+                            ":k": token}),
+                       ReturnValuesOnConditionCheckFailure="ALL_OLD")
+        except ClientError as exc:  # the condition failed: recorded already, or changed
+            item = exc.response.get("Item") or {}
+            return bool(item) and self._de(item).get("expired_by") == token  # by this call
         return True
 
     # --- suspension -------------------------------------------------------------------------

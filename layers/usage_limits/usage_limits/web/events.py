@@ -11,7 +11,8 @@ Four detail-types, all with source ``atto.cloud``:
   ``remaining`` 0);
 - ``Atto Credit Expired``: a grant expired with tokens unused (``user``, ``reference``,
   ``grant_kind``, ``forfeited``, ``tokens``, ``expires_at``), once per grant, published by
-  the load or read that first recorded it (the grant's ``expired_at``).
+  the load or read that first recorded it (the grant's ``expired_at``); none when every
+  answer to that write was lost (``store.mark_expired``).
 
 The reservation script reports each crossing once per grant (``Reservation.crossings`` and
 ``Reservation.credit_crossings``); ``threshold_events`` and ``credit_events`` turn them into

@@ -4,7 +4,9 @@ balance? (EventBridge Scheduler, hourly by default; ``usage_limits.entitlements.
 Each run writes its report to the logs (one structured JSON line, ``books audit``, with
 every divergence: user, request ids or grant, kind, tokens, the command that fixes it) and
 publishes ``LedgerDivergence`` (the count, 0 when the books balance) and
-``LedgerDivergenceTokens`` (tokens off) as EMF metrics; an alarm fires on any divergence.
+``LedgerDivergenceTokens`` (tokens off) and ``UsersNotAudited`` (users it chose and could
+not audit) as EMF metrics; alarms fire on any divergence, on users left unaudited, and on
+a run that failed.
 
 The event may name users to audit (``{"users": ["alice"]}``: the mark of the last run is
 then left alone, as for ``atto-admin audit --user``); anything else runs over the active
@@ -47,6 +49,7 @@ def publish(report: AuditReport) -> None:
     obs.logger().info("books audit", extra=report.to_json())
     obs.count(obs.LEDGER_DIVERGENCE, len(report.divergences))
     obs.count(obs.LEDGER_DIVERGENCE_TOKENS, report.tokens)
+    obs.count(obs.USERS_NOT_AUDITED, report.users_not_audited)
     obs.flush(ROUTE)
 
 

@@ -283,6 +283,7 @@ def test_a_scheduled_run_audits_the_active_users_logs_and_publishes(
     emf = [x for x in lines if "LedgerDivergence" in x]
     assert len(emf) == 1 and emf[0]["LedgerDivergence"] == [float(report["divergence_count"])]
     assert emf[0]["LedgerDivergenceTokens"] == [float(report["divergence_tokens"])]
+    assert emf[0]["UsersNotAudited"] == [0.0] and report["users_not_audited"] == 0
     assert Auditor(store(), settings=SETTINGS).last_mark() is not None
     one = auditor_fn.handler({"users": [idle]}, None)
     assert sorted((d["user_id"], d["kind"]) for d in one["divergences"]) == [

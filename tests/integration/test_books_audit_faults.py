@@ -121,11 +121,13 @@ def test_a_read_through_a_fault_is_exact_or_not_audited(
     if times == 1:
         assert mine(report, user) == [("record_missing", (victim.request_id,), True)]
         assert report.users_audited == 1 and user not in report.notes
+        assert report.users_not_audited == 0
         assert records.get(user, victim.request_id, victim.nonce) is not None
         assert Auditor(store(), settings=SETTINGS).last_mark() == report.until_ms
         return
     assert report.divergences == () and report.repaired == ()
     assert report.users_audited == 0 and report.notes[user] == NOT_AUDITED
+    assert report.users_not_audited == 1  # what UsersNotAudited publishes, and alarms on
     assert records.get(user, victim.request_id, victim.nonce) is None  # nothing written
     assert Auditor(store(), settings=SETTINGS).last_mark() is None  # the mark stays
     later = direct_run(redis_server)
@@ -147,6 +149,6 @@ def test_a_recheck_that_fails_reports_and_repairs_nothing(
     report = faulty_run(fault_proxy, users=[user])
     assert injection.hits == 2  # the recheck's read and its re-send
     assert report.divergences == () and report.repaired == ()
-    assert report.notes[user] == NOT_AUDITED
+    assert report.notes[user] == NOT_AUDITED and report.users_not_audited == 1
     assert usage_store().get(user, victim.request_id, victim.nonce) is None
 

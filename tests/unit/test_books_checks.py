@@ -173,5 +173,63 @@ def test_a_user_whose_store_fails_is_a_note_and_the_others_are_audited() -> None
     auditor = Auditor(_Store(down="b"), settings=AuditSettings(recheck_s=0))  # type: ignore[arg-type]
     report = asyncio.run(auditor.run(users=["a", "b", "c"], now_ms=NOW))
     assert report.users_audited == 2 and set(report.notes) >= {"b"}
+    assert report.users_not_audited == 1
     assert "not audited" in report.notes["b"][0]
     assert sorted(d.user_id for d in report.divergences) == ["a", "c"]
+
+
+class _Books:
+    """Balanced books for any user: one grant, not drawn from."""
+
+    def load(self, user: str) -> Any:
+        from usage_limits.entitlements.models import UserEntitlements
+
+        return UserEntitlements(user, None, None, (grant(),))
+
+    def charge_records(self, user: str) -> list[ChargeRecord]:
+        return []
+
+
+class _Active:
+    """A usage-record store whose active users are ``users``."""
+
+    def __init__(self, users: list[str]) -> None:
+        self.users = users
+
+    def active_users(self, since_ms: int, until_ms: int) -> list[str]:
+        return list(self.users)
+
+    def records(self, user: str, since_ms: int, until_ms: int) -> list[Any]:
+        return []
+
+
+def test_a_bounded_run_counts_who_it_left_and_the_next_hour_takes_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run over more active users than its bound audits the bound, counts the rest as not
+    audited (UsersNotAudited) and keeps its mark; runs of other hours pick other users, so
+    none is left out for ever by its name's place in the alphabet."""
+    import asyncio
+
+    users = [f"user-{i:02d}" for i in range(20)]
+    auditor = Auditor(_Books(), usage=_Active(users),  # type: ignore[arg-type]
+                      settings=AuditSettings(recheck_s=0, max_users=5))
+    marks: list[int] = []
+    monkeypatch.setattr(auditor, "last_mark", lambda: None)
+    monkeypatch.setattr(auditor, "set_mark", lambda until, report: marks.append(until))
+    seen: set[str] = set()
+    for hour in range(8):
+        audited: list[str] = []
+        real = auditor.audit_user
+
+        async def spy(user: str, now_ms: int | None, _real: Any = real,
+                      _out: list[str] = audited) -> Any:
+            _out.append(user)
+            return await _real(user, now_ms)
+
+        monkeypatch.setattr(auditor, "audit_user", spy)
+        report = asyncio.run(auditor.run(now_ms=NOW + hour * 3_600_000))
+        assert (report.users_audited, report.users_not_audited) == (5, 15)
+        assert report.balanced and len(set(audited)) == 5
+        seen |= set(audited)
+    assert marks == []  # never moved while users were left: the next run starts there
+    assert len(seen) > 10  # the first five of the alphabet would be 5

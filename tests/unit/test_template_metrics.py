@@ -27,7 +27,8 @@ SOURCES = [*sorted((ROOT / "layers").rglob("*.py")), *sorted((ROOT / "functions"
 #: What stands for the template's ``${...}`` variables when the dashboard body is read.
 SUB_SAMPLES = {"Stage": "dev", "AWS::Region": "us-east-1"}
 #: The platform's metrics an alarm may watch, with their dimension names.
-PLATFORM_METRICS = {("AWS/Lambda", "Duration"): frozenset({"FunctionName"})}
+PLATFORM_METRICS = {("AWS/Lambda", "Duration"): frozenset({"FunctionName"}),
+                    ("AWS/Lambda", "Errors"): frozenset({"FunctionName"})}
 _SEARCH = re.compile(r"SEARCH\('\{(?P<schema>[^}]*)\}\s+MetricName=\"(?P<name>\w+)\""
                      r"(?P<filters>[^']*)'")
 _FILTER = re.compile(r'(\w+)="([^"]*)"')

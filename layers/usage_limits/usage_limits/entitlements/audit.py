@@ -428,6 +428,9 @@ class AuditReport:
         until_ms: its end (the next run's start).
         users_active: users with records in the span.
         users_audited: users audited (fewer when sampled or bounded).
+        users_not_audited: users chosen for this run that it did not audit: DynamoDB or
+            Redis did not answer for them, or the run ran out of time or reached its bound
+            (the mark then stays, so the next run audits them).
         divergences: every divergence found.
         notes: per user, what could not be compared.
         repaired: usage records written, as ``user request_id``.
@@ -440,6 +443,7 @@ class AuditReport:
     until_ms: int
     users_active: int
     users_audited: int
+    users_not_audited: int = 0
     divergences: tuple[Divergence, ...] = ()
     notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     repaired: tuple[str, ...] = ()
@@ -464,6 +468,7 @@ class AuditReport:
                                                            self.divergences],
                 "divergence_count": len(self.divergences), "divergence_tokens": self.tokens,
                 "users_active": self.users_active, "users_audited": self.users_audited,
+                "users_not_audited": self.users_not_audited,
                 "sample": self.sample, "since": iso(self.since_ms),
                 "until": iso(self.until_ms), "started": iso(self.started_ms),
                 "duration_ms": self.duration_ms, "repaired": list(self.repaired),

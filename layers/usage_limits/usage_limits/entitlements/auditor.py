@@ -134,13 +134,16 @@ class AuditSettings:
                    concurrency=int(num(CONCURRENCY_ENV, d.concurrency)))
 
 
-def sampled(user_id: str, salt: str, share: float) -> bool:
-    """Whether ``user_id`` is in this run's sample: a hash of the user and ``salt`` (the
-    run's hour) below ``share``, so each run samples others."""
-    if share >= 1:
-        return True
+def rank(user_id: str, salt: str) -> int:
+    """The user's place in this run (``salt``: the run's hour), a 64-bit hash: each run
+    samples, and orders, the users differently."""
     digest = hashlib.sha256(f"{salt}:{user_id}".encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "big") < share * 2**64
+    return int.from_bytes(digest[:8], "big")
+
+
+def sampled(user_id: str, salt: str, share: float) -> bool:
+    """Whether ``user_id`` is in this run's sample: its ``rank`` below ``share``."""
+    return share >= 1 or rank(user_id, salt) < share * 2**64
 
 
 @dataclass(frozen=True)
@@ -360,7 +363,9 @@ class Auditor:
         salt = time.strftime("%Y-%m-%dT%H", time.gmtime(now / 1000))
         chosen = [u for u in active if users is not None or
                   sampled(u, salt, self.settings.sample)]
-        bounded = len(chosen) > self.settings.max_users
+        if users is None:  # a run that stops early (time, bound) leaves others each hour
+            chosen.sort(key=lambda u: rank(u, salt))
+        beyond = max(0, len(chosen) - self.settings.max_users)
         chosen = chosen[:self.settings.max_users]
         divergences: list[Divergence] = []
         notes: dict[str, tuple[str, ...]] = {}
@@ -371,7 +376,7 @@ class Auditor:
         if len(done) + len(failed) < len(chosen):
             log.warning("the audit ran out of time after %d of %d users", len(done),
                         len(chosen))
-        bounded = bounded or len(done) < len(chosen)
+        missed = beyond + len(chosen) - len(done)
         for one in done:
             divergences += one.divergences
             repaired += one.repaired
@@ -379,9 +384,10 @@ class Auditor:
                 notes[one.user_id] = one.notes
         report = AuditReport(
             started_ms=now, since_ms=since, until_ms=now, users_active=len(active),
-            users_audited=len(done), divergences=tuple(divergences), notes=notes,
-            repaired=tuple(repaired), duration_ms=int((time.monotonic() - started) * 1000),
+            users_audited=len(done), users_not_audited=missed,
+            divergences=tuple(divergences), notes=notes, repaired=tuple(repaired),
+            duration_ms=int((time.monotonic() - started) * 1000),
             sample=1.0 if users is not None else self.settings.sample)
-        if move_mark and not bounded:
+        if move_mark and not missed:
             await self._run(self.set_mark, now, report)
         return report

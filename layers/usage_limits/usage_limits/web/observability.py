@@ -65,6 +65,7 @@ CREDIT_DRAWN = "CreditDrawn"            # tokens drawn from credit grants
 EVENTS_FAILED = "EventsFailed"          # events not published within their bound
 LEDGER_DIVERGENCE = "LedgerDivergence"  # divergences one audit run found (0: balanced)
 LEDGER_DIVERGENCE_TOKENS = "LedgerDivergenceTokens"  # tokens off, summed over them
+USERS_NOT_AUDITED = "UsersNotAudited"   # users a run chose but could not audit (0: none)
 RECORDS_KEPT = "RecordsKept"            # a usage record's write failed; kept to retry
 RECORDS_LOST = "RecordsLost"            # a kept usage record's write was dropped or expired
 # Provider metrics:
@@ -87,7 +88,8 @@ UNMATCHED_ROUTE = "unmatched"
 REQUEST_METRICS = frozenset({
     REQUESTS, CLIENT_ERRORS, SERVER_ERRORS, TOKENS_RESERVED, TOKENS_REFUNDED, TOKENS_SETTLED,
     BUDGET_REJECTED, LIMITER_UNAVAILABLE, REFUNDS_KEPT, REFUNDS_LOST, CREDIT_DRAWN,
-    EVENTS_FAILED, RECORDS_KEPT, RECORDS_LOST, LEDGER_DIVERGENCE, LEDGER_DIVERGENCE_TOKENS})
+    EVENTS_FAILED, RECORDS_KEPT, RECORDS_LOST, LEDGER_DIVERGENCE, LEDGER_DIVERGENCE_TOKENS,
+    USERS_NOT_AUDITED})
 REQUEST_DIMENSION_SETS: tuple[tuple[str, ...], ...] = ((ENV, SERVICE_DIMENSION, ROUTE), (ENV,))
 PROVIDER_METRICS = frozenset({
     PROVIDER_CALLS, PROVIDER_WAIT_MS, PROVIDER_BUSY, UPSTREAM_429, UPSTREAM_ERROR,

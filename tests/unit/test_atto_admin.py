@@ -217,7 +217,7 @@ def _books_answer(divergences: list[dict[str, Any]]) -> dict[str, Any]:
     return {"balanced": not divergences, "divergences": divergences,
             "divergence_count": len(divergences),
             "divergence_tokens": sum(d["tokens"] for d in divergences),
-            "users_active": 1, "users_audited": 1, "sample": 1.0,
+            "users_active": 1, "users_audited": 1, "users_not_audited": 0, "sample": 1.0,
             "since": "2026-12-02T10:00:00.000Z", "until": "2026-12-02T11:00:00.000Z",
             "started": "2026-12-02T11:00:00.000Z", "duration_ms": 5, "repaired": [],
             "notes": {}}
@@ -243,6 +243,20 @@ def test_audit_prints_each_divergence_with_its_fix_and_exits_3(
     assert main(["--url", server, "audit"]) == 0
     assert "the books balance" in capsys.readouterr().out
     assert json.loads(Captured.requests[-1]["body"]) == {"repair": False}
+
+
+def test_audit_that_could_not_read_a_user_never_says_the_books_balance(
+        server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """No divergence but a user not audited (Redis or DynamoDB did not answer): the output
+    says so and prints the note, and the exit status is 4, not the 0 of balanced books."""
+    answer = _books_answer([]) | {
+        "users_audited": 0, "users_not_audited": 1,
+        "notes": {"u": ["not audited: DynamoDB or Redis did not answer"]}}
+    Captured.answer = (200, answer)
+    assert main(["--url", server, "audit", "--user", "u"]) == 4
+    out = capsys.readouterr().out
+    assert "the books balance" not in out and "1 not audited" in out
+    assert "note u: not audited: DynamoDB or Redis did not answer" in out
 
 
 def test_reload_posts_to_the_users_reload_route(server: str,

@@ -45,7 +45,8 @@ EPILOG = f"""where it connects:
   do not ask; with no terminal to ask on, it is refused without --yes).
 
 exit status: 0 done, 1 the API refused (its code, message and details go to stderr),
-  2 bad usage, 3 books found not to balance (every divergence is printed)."""
+  2 bad usage, 3 books found not to balance (every divergence is printed), 4 no
+  divergence found but some users could not be audited (the notes say why)."""
 
 #: The global options' values when not given (they are SUPPRESSed in every parser, so
 #: one given after the command is not overwritten by the top level's default).
@@ -56,6 +57,8 @@ CHANGES = ("plan set", "plan clear", "grant add", "grant void", "refund", "suspe
            "unsuspend", "reload")
 #: The exit status of ``audit`` when the books do not balance.
 UNBALANCED = 3
+#: The exit status of ``audit`` when nothing diverged but some users were not audited.
+UNCHECKED = 4
 
 
 def _global_options() -> argparse.ArgumentParser:
@@ -297,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = _print(text)
     if args.command == "audit" and not answer.get("balanced", False):
         return UNBALANCED
+    if args.command == "audit" and answer.get("users_not_audited", 0):
+        return UNCHECKED
     return status
 
 

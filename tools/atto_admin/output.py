@@ -60,8 +60,12 @@ def _log(a: dict[str, Any]) -> str:
 def _books(b: dict[str, Any]) -> str:
     head = (f"{b['users_audited']} of {b['users_active']} users audited "
             f"(since {b['since']}): ")
-    if b["balanced"]:
+    missed = b.get("users_not_audited", 0)
+    if b["balanced"] and not missed:
         lines = [head + "the books balance"]
+    elif b["balanced"]:
+        lines = [head + f"no divergence among them, but {missed} not audited, so the books "
+                        "are not known to balance (see the notes)"]
     else:
         lines = [head + f"{b['divergence_count']} divergences, "
                         f"{b['divergence_tokens']} tokens off"]

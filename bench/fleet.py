@@ -338,13 +338,14 @@ def audit_books(redis: FleetRedis, dynamo: Any, args: argparse.Namespace,
                 users: list[str]) -> dict[str, Any]:
     """Invariant 6: the conservation auditor, as production runs it, finds the books of
     every user balanced (grants against their charge records, the cached credit against
-    DynamoDB's, the ledger's charges against the usage records)."""
+    DynamoDB's, the ledger's charges against the usage records), every user audited."""
     from _fleet_audit import run_audit
 
     report = run_audit(redis.url, dynamo.url, entitlements_table=TABLE,
                        usage_table=dynamo.usage_table, users=users, cluster=args.cluster)
     body = report.to_json()
-    return {"balanced": report.balanced, "users": len(users),
+    return {"balanced": report.balanced and report.users_not_audited == 0,
+            "users": report.users_audited, "not_audited": report.users_not_audited,
             "divergences": body.get("divergences", []), "notes": body.get("notes", [])}
 
 
@@ -415,7 +416,8 @@ def table(result: dict[str, Any]) -> str:
     if books is not None:
         kinds = _count(d.get("kind", "?") for d in books["divergences"])
         rows.append(f"| 6. the auditor finds the books balanced | "
-                    f"{mark(inv['books_balance'])} | {books['users']} users audited; "
+                    f"{mark(inv['books_balance'])} | {books['users']} users audited, "
+                    f"{books['not_audited']} not; "
                     f"divergences {len(books['divergences'])}"
                     + (" (" + ", ".join(f"{k} {v}" for k, v in kinds.items()) + ")"
                        if kinds else "")

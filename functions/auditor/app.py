@@ -8,6 +8,11 @@ publishes ``LedgerDivergence`` (the count, 0 when the books balance) and
 not audit) as EMF metrics; alarms fire on any divergence, on users left unaudited, and on
 a run that failed.
 
+A scheduled run first sweeps the grants that expired with tokens unused since the last
+sweep (``usage_limits.entitlements.expiry_sweep``): each is recorded and published as
+``Atto Credit Expired`` once (the report's ``grants_expired_swept`` counts them), whether
+or not its user comes back.
+
 The event may name users to audit (``{"users": ["alice"]}``: the mark of the last run is
 then left alone, as for ``atto-admin audit --user``); anything else runs over the active
 users. It answers the report's JSON, so ``sam local invoke -e events/auditor_schedule.json``
@@ -26,8 +31,8 @@ from usage_limits import coldstart
 from usage_limits.entitlements.audit import AuditReport
 from usage_limits.entitlements.auditor import Auditor
 from usage_limits.entitlements.store import default_store
+from usage_limits.web import events, runtime
 from usage_limits.web import observability as obs
-from usage_limits.web import runtime
 
 #: Seconds a run keeps in hand before the Lambda's end: it stops before the next user.
 MARGIN_S = 30.0
@@ -56,11 +61,21 @@ def publish(report: AuditReport) -> None:
 async def audit(event: dict[str, Any], time_left_s: Any) -> AuditReport:
     """One run over this environment's store, ledger and usage records."""
     auditor = Auditor(default_store(), runtime.get_redis(), usage_store())
+    auditor.on_forfeit = publish_expired
     users = event.get("users") if isinstance(event, dict) else None
     if users is not None and (not isinstance(users, list)
                               or not all(isinstance(u, str) and u for u in users)):
         raise ValueError('"users" must be a list of user ids')
-    return await auditor.run(users=users, time_left_s=time_left_s)
+    try:
+        return await auditor.run(users=users, time_left_s=time_left_s)
+    finally:
+        await events.drain()  # each publication ends within its bound
+
+
+def publish_expired(user_id: str, grants: list[Any]) -> None:
+    """Publish ``Atto Credit Expired`` for grants the sweep recorded (as the load path
+    does: the same events, the same bus)."""
+    events.publish_soon(events.expired_events(user_id, grants))
 
 
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:

@@ -61,7 +61,8 @@ def publish(report: AuditReport) -> None:
 async def audit(event: dict[str, Any], time_left_s: Any) -> AuditReport:
     """One run over this environment's store, ledger and usage records."""
     auditor = Auditor(default_store(), runtime.get_redis(), usage_store())
-    auditor.on_forfeit = publish_expired
+    expired = ExpiredEvents()
+    auditor.on_forfeit = expired.add
     users = event.get("users") if isinstance(event, dict) else None
     if users is not None and (not isinstance(users, list)
                               or not all(isinstance(u, str) and u for u in users)):
@@ -69,13 +70,29 @@ async def audit(event: dict[str, Any], time_left_s: Any) -> AuditReport:
     try:
         return await auditor.run(users=users, time_left_s=time_left_s)
     finally:
+        expired.flush()
         await events.drain()  # each publication ends within its bound
 
 
-def publish_expired(user_id: str, grants: list[Any]) -> None:
-    """Publish ``Atto Credit Expired`` for grants the sweep recorded (as the load path
-    does: the same events, the same bus)."""
-    events.publish_soon(events.expired_events(user_id, grants))
+class ExpiredEvents:
+    """``Atto Credit Expired`` for the grants the expiry sweep recorded, as the load path
+    publishes them (the same events, the same bus), in calls of up to
+    ``events.MAX_ENTRIES`` (a sweep may record thousands: one publication each would
+    queue as many threads)."""
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+
+    def add(self, user_id: str, grants: list[Any]) -> None:
+        """Queue the events of ``grants``; publish once a call's worth is queued."""
+        self.pending += events.expired_events(user_id, grants)
+        if len(self.pending) >= events.MAX_ENTRIES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Start publishing what is queued (``events.drain`` waits for it)."""
+        batch, self.pending = self.pending, []
+        events.publish_soon(batch)
 
 
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from usage_limits import TokenBudget, Window
 from usage_limits.entitlements.auditor import Auditor, AuditSettings
 from usage_limits.entitlements.cache import EntitlementCache
 from usage_limits.entitlements.config import StoreSettings
-from usage_limits.entitlements.expiry_sweep import OVERLAP_MS, ExpirySweep
+from usage_limits.entitlements.expiry_sweep import OVERLAP_MS, ExpirySweep, SweepResult
 from usage_limits.entitlements.models import iso
 from usage_limits.entitlements.store import EntitlementStore, expiry_hour
 from usage_limits.entitlements.usage_store import UsageSettings, UsageStore
@@ -136,7 +136,7 @@ async def test_a_scheduled_audit_run_sweeps_first_and_counts_it_in_its_report(
     auditor = Auditor(env.store, None, usage, settings=AuditSettings(recheck_s=0))
     auditor.on_forfeit = env.report
     for kwargs in ({"users": [bob]}, {"move_mark": False}):
-        report = await auditor.run(now_ms=LATER, **kwargs)  # type: ignore[arg-type]
+        report = await auditor.run(now_ms=LATER, **kwargs)
         assert report.grants_expired_swept == 0 and report.expiry_swept_until_ms is None
     assert env.published == []
     report = await auditor.run(now_ms=LATER)
@@ -150,9 +150,9 @@ async def test_a_load_racing_the_sweep_records_and_reports_once_in_all(env: Env)
     """The user's load (GET /v1/usage's read) and the sweep seeing the same expired grant at
     once: the expiry is recorded once and reported once between them."""
     users = [env.promo(user()) for _ in range(4)]
-    results = await asyncio.gather(env.sweep.run(now_ms=LATER),
-                                   *(env.cache.history(u, now_ms=LATER) for u in users))
-    assert results[0].complete and results[0].checked == 4
+    swept, *_ = await asyncio.gather(env.sweep.run(now_ms=LATER),
+                                     *(env.cache.history(u, now_ms=LATER) for u in users))
+    assert isinstance(swept, SweepResult) and swept.complete and swept.checked == 4
     assert sorted(env.published) == sorted((u, "promo", 10) for u in users)
     assert all(env.recorded(u) == (LATER, 10) for u in users)
 
@@ -268,7 +268,7 @@ async def test_a_failing_store_stops_the_sweep_and_the_next_run_retries(
 def test_the_auditor_function_publishes_the_same_event_as_the_load_path(
         dynamo: DynamoServer, patch: pytest.MonkeyPatch) -> None:
     """The auditor function hands each swept grant to EventBridge as ``Atto Credit
-    Expired`` on the usage bus, with the load path's detail fields."""
+    Expired`` on the usage bus, with the load path's detail fields, ten to a call."""
     from usage_limits.entitlements.store import set_store
     from usage_limits.web import events
 
@@ -278,12 +278,19 @@ def test_the_auditor_function_publishes_the_same_event_as_the_load_path(
     store.create_grant(grace, tokens=7, kind="paid", reference="inv_1",
                        expires_at_ms=now - 60_000, actor="test", reason="sweep",
                        now_ms=now - 7_200_000)
+    others = [user() for _ in range(10)]
+    for other in others:
+        store.create_grant(other, tokens=3, kind="promo", reference="p",
+                           expires_at_ms=now - 120_000, actor="test", reason="sweep",
+                           now_ms=now - 7_200_000)
     ExpirySweep(store).set_mark(now - 3_600_000)
     sent: list[dict[str, Any]] = []
+    calls: list[int] = []
 
     class Events:
         def put_events(self, Entries: list[dict[str, Any]]) -> dict[str, Any]:  # noqa: N803
             sent.extend(Entries)
+            calls.append(len(Entries))
             return {"FailedEntryCount": 0, "Entries": [{} for _ in Entries]}
 
     publisher = events.EventPublisher(events.EventSettings(bus="usage-bus"), client=Events())
@@ -299,12 +306,14 @@ def test_the_auditor_function_publishes_the_same_event_as_the_load_path(
     finally:
         set_store(None)
         wipe(store)
-    assert report["grants_expired_swept"] == 1
-    assert [(e["Source"], e["DetailType"], e["EventBusName"]) for e in sent] == [
-        ("atto.cloud", "Atto Credit Expired", "usage-bus")]
-    assert json.loads(sent[0]["Detail"]) == {
+    assert report["grants_expired_swept"] == 11 and sorted(calls) == [1, 10]
+    assert {(e["Source"], e["DetailType"], e["EventBusName"]) for e in sent} == {
+        ("atto.cloud", "Atto Credit Expired", "usage-bus")}
+    details = [json.loads(e["Detail"]) for e in sent]
+    assert sorted(d["user"] for d in details if d["reference"] == "p") == sorted(others)
+    assert [d for d in details if d["user"] == grace] == [{
         "user": grace, "reference": "inv_1", "grant_kind": "paid", "forfeited": 7,
-        "tokens": 7, "expires_at": iso(now - 60_000)}
+        "tokens": 7, "expires_at": iso(now - 60_000)}]
 
 
 @pytest.fixture

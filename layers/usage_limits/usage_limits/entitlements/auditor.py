@@ -367,7 +367,9 @@ class Auditor:
         if users is None:
             if self.usage is None:
                 raise InvalidArgument("a run over the active users needs the usage records")
-            if move_mark and self.sweep_expiry:  # the scheduled run: expired grants first (small, and time-bound)
+            # the scheduled run sweeps expired grants first: its work is what expired since
+            # the last sweep, and it shares (and is bounded by) the run's time
+            if move_mark and self.sweep_expiry:
                 from .expiry_sweep import ExpirySweep
 
                 swept = await ExpirySweep(self.store, self.on_forfeit).run(

@@ -253,9 +253,13 @@ async def test_a_sweep_out_of_time_leaves_its_mark_and_the_next_run_continues(
 
 async def test_a_failing_store_stops_the_sweep_and_the_next_run_retries(
         env: Env, dynamo: DynamoServer) -> None:
-    """DynamoDB refusing the index's read stops the sweep without failing it, the mark
-    stays, and the next run sweeps the grant."""
+    """DynamoDB refusing the mark's or the index's read stops the sweep without failing it,
+    the mark stays, and the next run sweeps the grant."""
     frank = env.promo(user())
+    dynamo.inject("down", operations=("GetItem",), count=10)  # more than botocore's retries
+    done = await env.sweep.run(now_ms=LATER)
+    assert (done.swept, done.until_ms, done.complete) == (0, None, False)
+    dynamo.clear()
     dynamo.inject("down", operations=("Query",), count=10)
     done = await env.sweep.run(now_ms=LATER)
     assert (done.swept, done.complete) == (0, False)

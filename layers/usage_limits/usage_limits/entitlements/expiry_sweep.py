@@ -56,14 +56,15 @@ class SweepResult:
         swept: grants this sweep recorded as expired unused (and handed to ``on_forfeit``).
         checked: grants of the index it read.
         from_ms: the start of the span it swept.
-        until_ms: how far it got: its new mark (the run's clock when it finished).
+        until_ms: how far it got: its new mark (the run's clock when it finished); None
+            when it could not read its mark (it swept nothing).
         complete: it reached the run's clock (False: out of time, or DynamoDB failed).
     """
 
     swept: int
     checked: int
     from_ms: int
-    until_ms: int
+    until_ms: int | None
     complete: bool
 
 
@@ -172,7 +173,7 @@ class ExpirySweep:
             last = await self._run(self.last_mark)
         except StoreUnavailable as exc:
             log.warning("the expiry sweep could not read its mark: %s", exc)
-            return SweepResult(0, 0, now, now, False)
+            return SweepResult(0, 0, now, None, False)
         start = now - first_span_ms if last is None else min(last, now) - OVERLAP_MS
         counts = [0, 0]  # swept, checked
         stopped_at: int | None = None

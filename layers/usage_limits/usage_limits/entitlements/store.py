@@ -87,7 +87,9 @@ AUDIT_PARTITION = "AUDIT"
 #: projects every attribute, so each draw's update of ``consumed`` would be written to it
 #: too; this one holds keys only, which a grant's later updates never change, so only the
 #: grant's creation writes it. Grants created before it existed carry no ``gx_hour``
-#: (the load path still records their expiry).
+#: (the load path still records their expiry). The grants of one expiry hour share one
+#: index partition: creating more than about a thousand a second with the same expiry
+#: hour would be throttled by the index (not sharded: grants are made one by one).
 EXPIRY_INDEX = "expiry"
 EXPIRY_HOUR_ATTR = "gx_hour"
 #: Default and largest number of audit entries returned at once.

@@ -8,6 +8,11 @@ publishes ``LedgerDivergence`` (the count, 0 when the books balance) and
 not audit) as EMF metrics; alarms fire on any divergence, on users left unaudited, and on
 a run that failed.
 
+A scheduled run first sweeps the grants that expired with tokens unused since the last
+sweep (``usage_limits.entitlements.expiry_sweep``): each is recorded and published as
+``Atto Credit Expired`` once (the report's ``grants_expired_swept`` counts them), whether
+or not its user comes back.
+
 The event may name users to audit (``{"users": ["alice"]}``: the mark of the last run is
 then left alone, as for ``atto-admin audit --user``); anything else runs over the active
 users. It answers the report's JSON, so ``sam local invoke -e events/auditor_schedule.json``
@@ -26,8 +31,8 @@ from usage_limits import coldstart
 from usage_limits.entitlements.audit import AuditReport
 from usage_limits.entitlements.auditor import Auditor
 from usage_limits.entitlements.store import default_store
+from usage_limits.web import events, runtime
 from usage_limits.web import observability as obs
-from usage_limits.web import runtime
 
 #: Seconds a run keeps in hand before the Lambda's end: it stops before the next user.
 MARGIN_S = 30.0
@@ -56,11 +61,38 @@ def publish(report: AuditReport) -> None:
 async def audit(event: dict[str, Any], time_left_s: Any) -> AuditReport:
     """One run over this environment's store, ledger and usage records."""
     auditor = Auditor(default_store(), runtime.get_redis(), usage_store())
+    expired = ExpiredEvents()
+    auditor.on_forfeit = expired.add
     users = event.get("users") if isinstance(event, dict) else None
     if users is not None and (not isinstance(users, list)
                               or not all(isinstance(u, str) and u for u in users)):
         raise ValueError('"users" must be a list of user ids')
-    return await auditor.run(users=users, time_left_s=time_left_s)
+    try:
+        return await auditor.run(users=users, time_left_s=time_left_s)
+    finally:
+        expired.flush()
+        await events.drain()  # each publication ends within its bound
+
+
+class ExpiredEvents:
+    """``Atto Credit Expired`` for the grants the expiry sweep recorded, as the load path
+    publishes them (the same events, the same bus), in calls of up to
+    ``events.MAX_ENTRIES`` (a sweep may record thousands: one publication each would
+    queue as many threads)."""
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+
+    def add(self, user_id: str, grants: list[Any]) -> None:
+        """Queue the events of ``grants``; publish once a call's worth is queued."""
+        self.pending += events.expired_events(user_id, grants)
+        if len(self.pending) >= events.MAX_ENTRIES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Start publishing what is queued (``events.drain`` waits for it)."""
+        batch, self.pending = self.pending, []
+        events.publish_soon(batch)
 
 
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:

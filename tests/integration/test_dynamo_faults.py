@@ -91,3 +91,17 @@ def test_unknown_kinds_are_refused_and_refusals_have_dynamodbs_shape() -> None:
     assert error["Error"]["Code"] == "TransactionCanceledException"
     assert [r["Code"] for r in error["CancellationReasons"]] == ["TransactionConflict"] * 3
     assert "CancellationReasons" not in refusal("throttle")
+
+
+def test_a_store_makes_at_most_max_attempts_attempts_per_call(dynamo: DynamoServer) -> None:
+    """``max_attempts`` counts every attempt of a call, the first included (botocore's
+    ``total_max_attempts``): a read refused every time is tried exactly that often."""
+    for attempts in (1, 2):
+        store = EntitlementStore(StoreSettings(table=dynamo.table, endpoint_url=dynamo.url,
+                                               region="us-east-1", max_attempts=attempts))
+        before = dynamo.injected.get("down", 0)
+        dynamo.inject("down", operations=("GetItem",), seconds=10, count=EVERY_TRY)
+        with pytest.raises(StoreUnavailable, match="ServiceUnavailable"):
+            store.grant(uuid.uuid4().hex, "a")
+        dynamo.clear()
+        assert dynamo.injected.get("down", 0) - before == attempts

@@ -212,7 +212,7 @@ def test_a_bounded_run_counts_who_it_left_and_the_next_hour_takes_others(
 
     users = [f"user-{i:02d}" for i in range(20)]
     auditor = Auditor(_Books(), usage=_Active(users),  # type: ignore[arg-type]
-                      settings=AuditSettings(recheck_s=0, max_users=5))
+                      settings=AuditSettings(recheck_s=0, max_users=5), sweep_expiry=False)
     marks: list[int] = []
     monkeypatch.setattr(auditor, "last_mark", lambda: None)
     monkeypatch.setattr(auditor, "set_mark", lambda until, report: marks.append(until))

@@ -398,9 +398,10 @@ TABLE_ACTIONS = {
     ("UsageRecordsWritePolicy", "UsageTable"): {"dynamodb:PutItem", "dynamodb:UpdateItem"},
     ("UsageRecordsReadPolicy", "UsageTable"): {"dynamodb:Query"},
     # the auditor reads, and puts only into its own mark's partition (a condition on the
-    # leading key); it writes a usage record only when one is provably missing
+    # leading key); it writes a usage record only when one is provably missing; its expiry
+    # sweep queries the expiry index and records an expiry (UpdateItem of named attributes)
     ("AuditorFunctionRole", "EntitlementsTable"): {"dynamodb:GetItem", "dynamodb:Query",
-                                                   "dynamodb:PutItem"},
+                                                   "dynamodb:PutItem", "dynamodb:UpdateItem"},
     ("AuditorFunctionRole", "UsageTable"): {"dynamodb:Query", "dynamodb:UpdateItem"},
 }
 #: The resources each holder's statement names, per table.
@@ -414,6 +415,22 @@ TABLE_RESOURCES = {
     ("AuditorFunctionRole", "UsageTable"): [
         {"Fn::GetAtt": ["UsageTable", "Arn"]}, {"Fn::Sub": "${UsageTable.Arn}/index/by_time"}],
 }
+#: The auditor's statements on the entitlements table, by their actions: the resources
+#: each names and its condition (the expiry sweep's write names only user items and the
+#: attributes ``store.mark_expired`` sets or reads).
+AUDITOR_STATEMENTS: dict[tuple[str, ...], tuple[list[Any], Any]] = {
+    ("dynamodb:GetItem", "dynamodb:Query"): ([{"Fn::GetAtt": ["EntitlementsTable", "Arn"]}],
+                                             None),
+    ("dynamodb:PutItem",): ([{"Fn::GetAtt": ["EntitlementsTable", "Arn"]}],
+                            {"ForAllValues:StringEquals": {"dynamodb:LeadingKeys": ["AUDITOR"]}}),
+    ("dynamodb:Query",): ([{"Fn::Sub": "${EntitlementsTable.Arn}/index/expiry"}], None),
+    ("dynamodb:UpdateItem",): ([{"Fn::GetAtt": ["EntitlementsTable", "Arn"]}], {
+        "ForAllValues:StringLike": {"dynamodb:LeadingKeys": ["U#*"]},
+        "ForAllValues:StringEquals": {"dynamodb:Attributes": [
+            "pk", "sk", "expired_at", "forfeited", "expired_by", "void_at", "expires_at",
+            "consumed"]},
+        "StringEqualsIfExists": {"dynamodb:ReturnValues": ["NONE"]}}),
+}
 
 
 def test_the_table_is_reached_with_named_actions_only_where_needed(
@@ -422,7 +439,8 @@ def test_the_table_is_reached_with_named_actions_only_where_needed(
     table management): the admin role's, the request path's load and draw policies (which
     never see the audit index and cannot put or delete items) and the usage records' write
     and read policies (the writers cannot read, the reader only queries the time index);
-    the auditor puts into the entitlements table only its own mark's partition."""
+    the auditor puts into the entitlements table only its own mark's partition, and
+    updates only user items' expiry attributes (its expiry sweep)."""
     held: dict[tuple[str, str], set[str]] = {}
     for holder, statement in _statements(resources):
         actions = [str(a) for a in _as_list(statement.get("Action", []))]
@@ -432,10 +450,11 @@ def test_the_table_is_reached_with_named_actions_only_where_needed(
         named = json.dumps(statement["Resource"])
         table = "UsageTable" if "UsageTable" in named else "EntitlementsTable"
         held.setdefault((holder, table), set()).update(dynamo)
-        if holder == "AuditorFunctionRole" and "dynamodb:PutItem" in dynamo:
-            assert dynamo == ["dynamodb:PutItem"] and table == "EntitlementsTable"
-            assert statement["Condition"] == {"ForAllValues:StringEquals": {
-                "dynamodb:LeadingKeys": ["AUDITOR"]}}
+        if holder == "AuditorFunctionRole" and table == "EntitlementsTable":
+            resources_named, condition = AUDITOR_STATEMENTS[tuple(dynamo)]
+            assert _as_list(statement["Resource"]) == resources_named, dynamo
+            assert statement.get("Condition") == condition, dynamo
+            continue
         expected = TABLE_RESOURCES.get((holder, table),
                                        [{"Fn::GetAtt": [table, "Arn"]}])
         assert _as_list(statement["Resource"]) == expected, holder

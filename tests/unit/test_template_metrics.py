@@ -284,13 +284,15 @@ def test_events_rule_forwards_the_published_detail_types(template: dict[str, Any
 
 
 def test_put_events_is_allowed_on_the_usage_bus_only(template: dict[str, Any]) -> None:
-    """Metered functions may PutEvents on the usage bus and nowhere else; they know its name."""
+    """Metered functions and the auditor (its expiry sweep) may PutEvents on the usage bus
+    and nowhere else; they know its name."""
     resources = template["Resources"]
     policy = resources["EventsPublishPolicy"]["Properties"]
     (statement,) = policy["PolicyDocument"]["Statement"]
     assert statement == {"Effect": "Allow", "Action": "events:PutEvents",
                          "Resource": {"Fn::GetAtt": ["UsageEventBus", "Arn"]}}
-    assert {r["Ref"].removesuffix("Role") for r in policy["Roles"]} == _metered()
+    assert {r["Ref"].removesuffix("Role") for r in policy["Roles"]} == _metered() | {
+        "AuditorFunction"}
     variables = template["Globals"]["Function"]["Environment"]["Variables"]
     assert variables[events.ATTO_EVENT_BUS] == {"Ref": "UsageEventBus"}
 

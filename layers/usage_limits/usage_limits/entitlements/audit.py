@@ -436,6 +436,10 @@ class AuditReport:
         repaired: usage records written, as ``user request_id``.
         duration_ms: how long it took.
         sample: the share of active users audited (1.0: all).
+        grants_expired_swept: grants the run's expiry sweep recorded as expired with
+            tokens unused (each reported once, as ``Atto Credit Expired``).
+        expiry_swept_until_ms: how far the expiry sweep got (None: no sweep, as in a run
+            over given users or one that leaves the mark alone).
     """
 
     started_ms: int
@@ -449,6 +453,8 @@ class AuditReport:
     repaired: tuple[str, ...] = ()
     duration_ms: int = 0
     sample: float = 1.0
+    grants_expired_swept: int = 0
+    expiry_swept_until_ms: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -472,7 +478,9 @@ class AuditReport:
                 "sample": self.sample, "since": iso(self.since_ms),
                 "until": iso(self.until_ms), "started": iso(self.started_ms),
                 "duration_ms": self.duration_ms, "repaired": list(self.repaired),
-                "notes": {u: list(n) for u, n in self.notes.items()}}
+                "notes": {u: list(n) for u, n in self.notes.items()},
+                "grants_expired_swept": self.grants_expired_swept,
+                "expiry_swept_until": iso(self.expiry_swept_until_ms)}
 
 
 def parse_view(reply: Sequence[Any]) -> LedgerView:

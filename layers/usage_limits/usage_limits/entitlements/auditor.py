@@ -14,6 +14,10 @@ three checks run; a user with a divergence is read and checked again after
 was on its way has landed by then). The only thing it writes (besides its mark) is a usage
 record that is provably missing: a charge record of DynamoDB older than the write bound with
 no usage record. Everything else is for a person, with the command that fixes it.
+
+A scheduled run (the active users, moving the mark) first sweeps the grants that expired
+unused since the previous sweep (``expiry_sweep``): each is recorded and handed to
+``on_forfeit`` once, whether or not its user comes back.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -168,15 +172,22 @@ class Auditor:
         settings: how runs audit (default: from the environment).
         repair: write a usage record that is provably missing (default True; the CLI's
             ``books`` without ``--repair`` only reports).
+        sweep_expiry: a scheduled run (the active users, moving the mark) first sweeps the
+            grants that expired unused (``expiry_sweep``; default True).
     """
 
     def __init__(self, store: EntitlementStore, redis: Any = None, usage: Any = None, *,
-                 settings: AuditSettings | None = None, repair: bool = True) -> None:
+                 settings: AuditSettings | None = None, repair: bool = True,
+                 sweep_expiry: bool = True) -> None:
         self.store = store
         self.redis = redis
         self.usage = usage
         self.settings = settings or AuditSettings.from_env()
         self.repair = repair
+        self.sweep_expiry = sweep_expiry
+        #: Called with (user id, grants) for each grant the expiry sweep recorded as
+        #: expired unused (the function publishes ``Atto Credit Expired``); None: nobody.
+        self.on_forfeit: Callable[[str, list[Any]], Any] | None = None
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -342,7 +353,8 @@ class Auditor:
             move_mark: record this run's end for the next (only when ``users`` is None).
             time_left_s: a callable giving the seconds the run may still take (a Lambda's
                 remaining time less a margin); the run stops before a user when it is
-                <= 0, and leaves the mark where it was (the next run audits them).
+                <= 0, and leaves the mark where it was (the next run audits them). The
+                expiry sweep shares it (and stops before a grant).
 
         Raises:
             InvalidArgument: neither users nor a usage-record store to find them.
@@ -351,9 +363,18 @@ class Auditor:
         started = time.monotonic()
         now = int(time.time() * 1000) if now_ms is None else now_ms
         bound_ms = int(self.settings.write_bound_s * 1000)
+        swept = None
         if users is None:
             if self.usage is None:
                 raise InvalidArgument("a run over the active users needs the usage records")
+            # the scheduled run sweeps expired grants first: its work is what expired since
+            # the last sweep, and it shares (and is bounded by) the run's time
+            if move_mark and self.sweep_expiry:
+                from .expiry_sweep import ExpirySweep
+
+                swept = await ExpirySweep(self.store, self.on_forfeit).run(
+                    now_ms=now, first_span_ms=int(self.settings.first_span_s * 1000),
+                    time_left_s=time_left_s)
             last = await self._run(self.last_mark)
             since = (now - int(self.settings.first_span_s * 1000) if last is None
                      else last - bound_ms)
@@ -387,7 +408,9 @@ class Auditor:
             users_audited=len(done), users_not_audited=missed,
             divergences=tuple(divergences), notes=notes, repaired=tuple(repaired),
             duration_ms=int((time.monotonic() - started) * 1000),
-            sample=1.0 if users is not None else self.settings.sample)
+            sample=1.0 if users is not None else self.settings.sample,
+            grants_expired_swept=0 if swept is None else swept.swept,
+            expiry_swept_until_ms=None if swept is None else swept.until_ms)
         if move_mark and not missed:
             await self._run(self.set_mark, now, report)
         return report

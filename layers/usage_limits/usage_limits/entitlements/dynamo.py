@@ -63,7 +63,8 @@ class DynamoTable:
                 "dynamodb", region_name=s.region, endpoint_url=s.endpoint_url,
                 config=Config(connect_timeout=s.connect_timeout_s,
                               read_timeout=s.read_timeout_s,
-                              retries={"max_attempts": s.max_attempts, "mode": "standard"}))
+                              retries={"total_max_attempts": s.max_attempts,
+                                       "mode": "standard"}))
         return self._client
 
     def _call(self, fn: Callable[..., T], **kwargs: Any) -> T:

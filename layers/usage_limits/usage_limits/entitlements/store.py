@@ -17,6 +17,9 @@ One table, on-demand, point-in-time recovery on (template.yaml ``EntitlementsTab
     U#<user>    A#<ms, 13 digits>#<id>     an operator action (audit), newest last
     GSI ``audit`` (sparse: only audit items carry its keys)
     AUDIT       <ms, 13 digits>#<id>       every operator action, across users
+    GSI ``expiry`` (sparse, keys only: only grants with an expiry carry ``gx_hour``)
+    <UTC hour>  <expires_at, ms>           a grant by its expiry hour (``YYYY-MM-DDTHH``),
+                                           for the auditor's expiry sweep
 
 Everything the hot path needs about a user sits under ``E#``, so loading it is one Query.
 
@@ -79,6 +82,16 @@ from .models import (
 #: The audit index and its key attributes.
 AUDIT_INDEX = "audit"
 AUDIT_PARTITION = "AUDIT"
+#: The expiry index: grants with an expiry by the UTC hour of it (``gx_hour``) and the
+#: expiry itself (``expires_at``, ms). Its own index rather than the audit index: that one
+#: projects every attribute, so each draw's update of ``consumed`` would be written to it
+#: too; this one holds keys only, which a grant's later updates never change, so only the
+#: grant's creation writes it. Grants created before it existed carry no ``gx_hour``
+#: (the load path still records their expiry). The grants of one expiry hour share one
+#: index partition: creating more than about a thousand a second with the same expiry
+#: hour would be throttled by the index (not sharded: grants are made one by one).
+EXPIRY_INDEX = "expiry"
+EXPIRY_HOUR_ATTR = "gx_hour"
 #: Default and largest number of audit entries returned at once.
 DEFAULT_AUDIT = 50
 MAX_AUDIT = 500
@@ -99,6 +112,8 @@ TABLE_DEFINITION: dict[str, Any] = {
         {"AttributeName": "sk", "AttributeType": "S"},
         {"AttributeName": "gsi1pk", "AttributeType": "S"},
         {"AttributeName": "gsi1sk", "AttributeType": "S"},
+        {"AttributeName": EXPIRY_HOUR_ATTR, "AttributeType": "S"},
+        {"AttributeName": "expires_at", "AttributeType": "N"},
     ],
     "KeySchema": [
         {"AttributeName": "pk", "KeyType": "HASH"},
@@ -111,6 +126,13 @@ TABLE_DEFINITION: dict[str, Any] = {
             {"AttributeName": "gsi1sk", "KeyType": "RANGE"},
         ],
         "Projection": {"ProjectionType": "ALL"},
+    }, {
+        "IndexName": EXPIRY_INDEX,
+        "KeySchema": [
+            {"AttributeName": EXPIRY_HOUR_ATTR, "KeyType": "HASH"},
+            {"AttributeName": "expires_at", "KeyType": "RANGE"},
+        ],
+        "Projection": {"ProjectionType": "KEYS_ONLY"},
     }],
     "BillingMode": "PAY_PER_REQUEST",
 }
@@ -145,6 +167,11 @@ def _check_request_id(request_id: str) -> str:
             or not request_id.isprintable():
         raise InvalidArgument(f"request_id must be 1 to {_MAX_USER_ID} printable characters")
     return request_id
+
+
+def expiry_hour(ms: int) -> str:
+    """The expiry index's partition of an instant: its UTC hour, ``YYYY-MM-DDTHH``."""
+    return time.strftime("%Y-%m-%dT%H", time.gmtime(ms // 1000))
 
 
 def _now_ms() -> int:
@@ -399,6 +426,7 @@ class EntitlementStore(DynamoTable):
             raise InvalidArgument("expires_at must be in the future")
         item = {"pk": _pk(user_id), "sk": _GRANT + reference, "reference": reference,
                 "tokens": tokens, "consumed": 0, "kind": kind, "expires_at": expires_at_ms,
+                EXPIRY_HOUR_ATTR: None if expires_at_ms is None else expiry_hour(expires_at_ms),
                 **_change_attrs(change)}
         created = self._transact([
             {"Put": {"TableName": self.table, "Item": self._ser(item),
@@ -488,6 +516,36 @@ class EntitlementStore(DynamoTable):
             item = exc.response.get("Item") or {}
             return bool(item) and self._de(item).get("expired_by") == token  # by this call
         return True
+
+    def expiring(self, hour: str, from_ms: int, to_ms: int,
+                 start: Mapping[str, Any] | None = None,
+                 ) -> tuple[list[tuple[str, str, int]], dict[str, Any] | None]:
+        """One page of the grants whose expiry is in ``hour`` (``expiry_hour``) and
+        within [``from_ms``, ``to_ms``], earliest first (the expiry index: eventually
+        consistent, keys only; read each grant itself to know where it stands).
+
+        Args:
+            start: the page's start (the previous page's second value; None: the first).
+
+        Returns:
+            (user id, reference, expires_at ms) per grant, and where the next page starts
+            (None: this was the last).
+        """
+        kwargs: dict[str, Any] = {
+            "TableName": self.table, "IndexName": EXPIRY_INDEX,
+            "KeyConditionExpression": "#h = :h AND expires_at BETWEEN :a AND :b",
+            "ExpressionAttributeNames": {"#h": EXPIRY_HOUR_ATTR},
+            "ExpressionAttributeValues": self._ser({":h": hour, ":a": from_ms, ":b": to_ms})}
+        if start is not None:
+            kwargs["ExclusiveStartKey"] = dict(start)
+        reply = self._call(self.client.query, **kwargs)
+        out = []
+        for raw in reply.get("Items", []):
+            item = self._de(raw)
+            pk, sk = str(item["pk"]), str(item["sk"])
+            if pk.startswith("U#") and sk.startswith(_GRANT):
+                out.append((pk[2:], sk[len(_GRANT):], int(item["expires_at"])))
+        return out, reply.get("LastEvaluatedKey")
 
     # --- suspension -------------------------------------------------------------------------
 

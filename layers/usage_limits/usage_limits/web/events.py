@@ -11,8 +11,8 @@ Four detail-types, all with source ``atto.cloud``:
   ``remaining`` 0);
 - ``Atto Credit Expired``: a grant expired with tokens unused (``user``, ``reference``,
   ``grant_kind``, ``forfeited``, ``tokens``, ``expires_at``), once per grant, published by
-  the load or read that first recorded it (the grant's ``expired_at``); none when every
-  answer to that write was lost (``store.mark_expired``).
+  the load, read or auditor's expiry sweep that first recorded it (the grant's
+  ``expired_at``); none when every answer to that write was lost (``store.mark_expired``).
 
 The reservation script reports each crossing once per grant (``Reservation.crossings`` and
 ``Reservation.credit_crossings``); ``threshold_events`` and ``credit_events`` turn them into
@@ -206,7 +206,8 @@ _CREDIT_EVENTS: dict[str, type[CreditLow] | type[CreditExhausted]] = {
 @dataclass(frozen=True)
 class CreditExpired:
     """One grant of ``user`` expired with tokens unused: they are forfeited. Published
-    once per grant, by the load or read that first recorded it (``expired_at``).
+    once per grant, by the load, read or expiry sweep that first recorded it
+    (``expired_at``).
 
     Attributes:
         user: the user's id.

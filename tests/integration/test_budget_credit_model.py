@@ -317,9 +317,10 @@ class CreditMachine(RuleBasedStateMachine):
             done = self.run(self.cache.lower(self.budget, self.user, rid, nonce, target,
                                              state=state))  # type: ignore[arg-type]
             assert done.settled
-            if served and not done.returned and not done.lowered.changed:
-                # the first try landed and only its answer was lost (or a claim refunded
-                # the charge meanwhile): what it gave back is known from the record alone
+            if served and not done.returned:
+                # the first try's DynamoDB part landed and only its answer was lost (its
+                # Redis part then, or now when it never reached Redis), or a claim refunded
+                # the charge meanwhile: what it gave back is known from the record alone
                 record = self.store.charge_record(self.user, rid, nonce)
                 if record is not None:
                     self.served[rid]["standing"] = dict(record.consumed)

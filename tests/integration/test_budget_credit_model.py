@@ -80,7 +80,7 @@ REDIS_FAULTS = ("lost", "resend", "dropped")
 CLOCKED = ("reserve", "lower", "hold", "usage", "rebase_draw")
 #: what a request does once charged: answers (its success confirms the charge), is still
 #: running, or dies with its environment (never confirmed, never refunded)
-OUTCOMES = ("confirm", "confirm", "flight", "abandon")
+OUTCOMES = ("flight", "abandon", "confirm")
 
 
 @dataclass
@@ -223,16 +223,19 @@ class CreditMachine(RuleBasedStateMachine):
         refunds.clear()
         return taken
 
-    def _claim(self, claimed: tuple[Claimed, ...] | None, fault: str | None = None) -> set[str]:
-        """A claim (made now when ``claimed`` is None) and its undoing (``holds.undo``)."""
-        due = self._due()
+    def _claim(self, claimed: tuple[Claimed, ...] | None, fault: str | None = None,
+               due: list[str] | None = None) -> set[str]:
+        """A claim (made now when ``claimed`` is None; ``due``: what the model expected it
+        to take, when the claim was made before now) and its undoing (``holds.undo``)."""
+        due = self._due() if due is None else due
         if claimed is not None:
             assert [c.request_id for c in claimed] == due, (claimed, due)
             for c in claimed:
-                held = self.ledger[c.request_id]
-                assert (c.nonce, c.cost) == (held.nonce, held.cost)
+                held = self.ledger.get(c.request_id)  # gone: its own request refunded it
+                assert held is None or (c.nonce, c.cost) == (held.nonce, held.cost)
         for rid in due:
-            self.ledger[rid].pv = "claimed"
+            if rid in self.ledger:
+                self.ledger[rid].pv = "claimed"
         self.faulty.fault = fault
         done: set[str] = self.run(holds.undo(self.budget, self.cache, self.user, claimed,
                                              within_s=60.0))
@@ -266,11 +269,12 @@ class CreditMachine(RuleBasedStateMachine):
             assert held is not None
             held.pv = "confirmed"
             charge["phase"] = "confirmed"
-        else:
+        due = self._due()
+        if not confirmed:
             charge["phase"] = "failed"
             self._lower_or_keep(rid, charge["nonce"], 0, charge["state"], served=True)
             charge["cost"] = 0
-        self._claim(claimed)
+        self._claim(claimed, due=due)
 
     async def _lower(self, rid: str, nonce: str, target: int, state: str) -> Any:
         """The request path's lowering, with the Redis fault of this step if any."""
@@ -410,10 +414,13 @@ class CreditMachine(RuleBasedStateMachine):
             self._confirm(data.draw(st.sampled_from(flight)))
 
     @precondition(lambda self: any(h.pv != "confirmed" for h in self.ledger.values()))
-    @rule(fault=st.none() | st.sampled_from(DYNAMO_FAULTS))
-    def claim(self, fault: str | None) -> None:
-        """A later request of the user (refused, or confirming its own charge elsewhere)
-        claims the expired unconfirmed charges and refunds them, DynamoDB first."""
+    @rule(fault=st.none() | st.sampled_from(DYNAMO_FAULTS),
+          ms=st.sampled_from((HOLD_MS, 0, HOLD_MS - 1)))
+    def claim(self, fault: str | None, ms: int = 0) -> None:
+        """``ms`` later, a request of the user (refused, or confirming its own charge
+        elsewhere) claims the expired unconfirmed charges and refunds them, DynamoDB
+        first."""
+        self.clock_ms += ms
         self._claim(self.run(self.budget.hold(self.user)).claimed, fault)
 
     @precondition(lambda self: any(h.pv == "held" for h in self.ledger.values()))
@@ -758,4 +765,20 @@ def test_a_split_charge_settles_credit_first_and_an_uncoverable_cost_is_refused(
         machine.books_balance()
         machine.request(QUOTA + 2, None)  # needs 6 of credit: 3 are left
         assert "r3" not in machine.served
+        machine.books_balance()
+
+
+def test_a_support_refund_of_an_unrecorded_draw_leaves_the_copy_equal_to_dynamodb(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A charge whose environment was killed between its draw and the draw's record is
+    refunded by support before any claim: DynamoDB gives nothing back (it holds nothing),
+    and the copy, which the ledger's removal of the draw does not refill, is dropped and
+    reloads exact rather than staying short of that credit."""
+    with _machine(redis_server, monkeypatch) as machine:
+        machine.first_grant(2)
+        machine.request(4, None)
+        machine.request(1, None, "abandon", False)
+        assert machine.ledger["r2"].unrecorded
+        machine.support_refund(Pick("r2"))
+        assert "r2" not in machine.ledger and machine._exact()
         machine.books_balance()

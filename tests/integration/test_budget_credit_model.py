@@ -575,7 +575,7 @@ def test_credit_in_both_stores_matches_the_model(topology: str, request: pytest.
         CreditMachine.loop, CreditMachine.client, CreditMachine.boto = loop, client, boto
         try:
             run_state_machine_as_test(CreditMachine, settings=settings(
-                base, max_examples=max(8, base.max_examples // 5),
+                base, max_examples=max(8, base.max_examples // 8),
                 stateful_step_count=STEPS, deadline=None))
         finally:
             loop.run_until_complete(client.aclose())

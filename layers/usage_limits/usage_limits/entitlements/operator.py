@@ -210,8 +210,9 @@ class Operator:
         rid, ledger, record = await self._find_charge(user_id, request_id)
         earlier: SupportRefund | None = await self._run(self.store.support_refund, user_id,
                                                         rid)
+        drew = ledger is not None and bool(ledger.draws)
         if earlier is not None:
-            await self._finish_ledger(user_id, earlier, first=False)
+            await self._finish_ledger(user_id, earlier, first=False, drew=drew)
             await self._lower_record(user_id, earlier)
             return earlier, False
         if ledger is None and record is None:
@@ -220,7 +221,7 @@ class Operator:
         done, created = await self._run(self.store.refund_charge, user_id, rid, nonce,
                                         tokens=ledger.cost if ledger is not None else 0,
                                         actor=actor, reason=reason)
-        await self._finish_ledger(user_id, done, first=created)
+        await self._finish_ledger(user_id, done, first=created, drew=drew)
         await self._lower_record(user_id, done)
         return done, created
 
@@ -256,13 +257,17 @@ class Operator:
         charges: list[ChargeRecord] = await self._run(self.store.charge_records, user_id)
         return grant_history(item, charges)
 
-    async def _finish_ledger(self, user_id: str, refund: SupportRefund, *, first: bool) -> None:
+    async def _finish_ledger(self, user_id: str, refund: SupportRefund, *, first: bool,
+                             drew: bool = False) -> None:
         """Give the refunded charge's tokens back in the ledger, and its credit to the copy.
 
         The copy gets exactly the credit the record of truth gave back, or is dropped (it
         reloads): never more, and nothing lost. A repeat (``first`` False) gives it too: the
         ledger takes it only with a lowering it makes now, so the copy gets it once,
-        whether or not the first call's answer was lost before the ledger's part.
+        whether or not the first call's answer was lost before the ledger's part. A charge
+        that drew credit (``drew``) the record of truth gave none back for (its draw never
+        recorded: its environment was killed in between) drops the copy too: the ledger
+        removes the draw without returning it, and the copy reloads exact.
 
         Raises:
             NotRefreshed: Redis failed; the refund itself is recorded.
@@ -274,7 +279,8 @@ class Operator:
             credit = refund.credit
             lowered = await self.budget.lower(user_id, refund.request_id, 0,
                                               nonce=refund.nonce, credit=credit)
-            if credit and (lowered.stale or lowered.returned != credit):
+            if (lowered.stale or lowered.returned != credit) if credit else (
+                    drew and lowered.changed):
                 await self.cache.forget(self.budget, user_id, lowered.epoch)
         except LimiterUnavailable as exc:
             raise NotRefreshed("the refund is recorded, with the credit given back to its "

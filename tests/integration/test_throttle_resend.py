@@ -237,5 +237,11 @@ async def test_callers_that_cannot_wait_out_the_pause_are_busy(client: Any, uid:
     assert isinstance(paused_at, float)
     assert [at for at in admitted if paused_at + 0.05 < at] == []
     busy = [r for r in results if isinstance(r, ProviderBusy)]
-    assert len(busy) + len(admitted) == 8 and len(busy) >= 5
+    assert len(busy) + len(admitted) == 8 and admitted
+    # Slots are 0.1 s apart from the first; every one after the moment the pause landed
+    # must be busy. Counted from when it really landed (a loaded loop wakes the pausing
+    # task late), it is the 5 slots from 0.3 s when the pause lands at 0.15 s.
+    first = min(admitted)
+    before = sum(1 for k in range(8) if first + k * 0.1 <= paused_at + 0.05)
+    assert len(busy) >= 8 - before
     assert all(b.retry_after_s >= pause_until - paused_at - 1.3 for b in busy)

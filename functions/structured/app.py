@@ -138,9 +138,14 @@ class StructuredOut(BaseModel):
     data: Any = Field(description="An instance valid for the requested schema.")
     model: str
     usage: Usage
-    strict: bool = Field(description="Whether the provider was asked in strict mode, which "
+    strict: bool = Field(description="Whether the answer came in strict mode, which "
                                      "guarantees the schema; the answer is validated either "
                                      "way.")
+    strict_rejected: str | None = Field(
+        default=None,
+        description="The provider's reason when it refused the schema in strict mode and the "
+                    "answer was asked without it (strict is then false); null otherwise. "
+                    "The answer is valid for the schema and charged like any other.")
 
 
 @app.post("/v1/structured", dependencies=[Depends(require_tokens(cost=COST))],
@@ -151,7 +156,7 @@ async def structured(body: StructuredIn) -> StructuredOut:
     return StructuredOut(data=result.data, model=result.model,
                          usage=Usage(prompt_tokens=result.prompt_tokens,
                                      completion_tokens=result.completion_tokens),
-                         strict=result.strict)
+                         strict=result.strict, strict_rejected=result.strict_rejected)
 
 
 handler = lambda_handler(app)

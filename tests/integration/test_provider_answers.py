@@ -166,6 +166,23 @@ def test_rejected_schema_is_the_callers_422(lambda_env: StartEnvironment,
     assert used(user) == 0
 
 
+def test_a_strict_schema_refused_then_answered_says_so_and_is_charged(
+        lambda_env: StartEnvironment, redis_server: RedisServer) -> None:
+    """A provider refusing the schema in strict mode, then answering without it: 200 with
+    strict false and the provider's reason in strict_rejected, charged like any answer."""
+    reason = "Invalid schema for response_format 'result': strict mode is not supported."
+    rejected = openai_error(400, "invalid_json_schema", reason, kind="invalid_request_error",
+                            param="response_format")
+    with HttpStub([rejected, chat_reply('{"name": "x"}')]) as stub:
+        res, user = call(lambda_env, redis_server, stub.url)
+        strict_flags = [json.loads(s.body)["response_format"]["json_schema"]["strict"]
+                        for s in stub.seen]
+    assert res.status == 200, res.body
+    assert strict_flags == [True, False]
+    assert (res.body["strict"], res.body["strict_rejected"]) == (False, reason)
+    assert used(user) == 8
+
+
 @pytest.mark.parametrize(("reply", "code"), [
     (openai_error(401, "invalid_api_key", "Incorrect API key provided: sk-abc12***********wxyz."
                   " You can find your API key at https://platform.openai.com/account/api-keys.",
@@ -199,10 +216,12 @@ def test_operator_problems_are_logged_not_shown(
 def test_each_unusable_ending_has_its_code(lambda_env: StartEnvironment,
                                            redis_server: RedisServer, reply: Reply,
                                            status: int, code: str) -> None:
-    """length, content_filter and a refusal each answer their own code, refunded."""
+    """length, content_filter and a refusal each answer their own code, refunded, and say
+    so once."""
     with HttpStub([reply]) as stub:
         res, user = call(lambda_env, redis_server, stub.url)
     assert res.status == status and res.body["error"]["code"] == code, res.body
+    assert res.body["error"]["message"].count("refunded") == 1, res.body
     if code == "model_refused":
         assert res.body["error"]["refusal"] == "I can't help with that."
     assert used(user) == 0
@@ -226,6 +245,7 @@ def test_strict_mode_when_the_schema_fits(lambda_env: StartEnvironment,
         sent = json.loads(stub.seen[0].body)["response_format"]["json_schema"]
     assert res.status == 200, res.body
     assert res.body["strict"] is strict and sent["strict"] is strict
+    assert res.body["strict_rejected"] is None
     if strict:
         assert sent["schema"] == {**schema, "additionalProperties": False}
     else:

@@ -26,7 +26,8 @@ def _picture(p: dict[str, Any]) -> str:
         lines.append(f"override  {o['plan']} by {o['by']} at {o['at']}: {o['reason']}")
     last = p.get("last_charged")
     lines.append(f"charged   under {last['plan'] or '(no plan name)'} at {last['at']} (the last "
-                 "request)" if last else "charged   unknown (no request the cache still holds)")
+                 "charge that stands)" if last else
+                 "charged   unknown (no charge the cache still holds)")
     s = p.get("suspension")
     if s and s["active"]:
         lines.append(f"suspended YES, until {s['until'] or 'lifted'}, by {s['by']} "

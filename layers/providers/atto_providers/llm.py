@@ -68,6 +68,8 @@ class Completion:
         model: the model that answered (as the provider names it: a dated snapshot).
         prompt_tokens, completion_tokens: the provider's count (0 when it sent none).
         strict: whether strict mode was used (the schema fit it).
+        strict_rejected: the provider's reason when it refused the schema in strict mode
+            and this answer was asked without it (``strict`` is then False); else None.
     """
 
     data: Any
@@ -75,6 +77,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     strict: bool = False
+    strict_rejected: str | None = None
 
 
 class LLMClient(ProviderClient):
@@ -134,15 +137,19 @@ class LLMClient(ProviderClient):
             raise InvalidRequest(f"the schema cannot be checked: {exc}") from exc
         chosen = _choose(model, self.model, self.models)
         strict = strict_schema(schema)
+        rejected: str | None = None
         try:
             data = await self._complete(prompt, chosen, strict or schema, strict is not None)
-        except SchemaRejected:
+        except SchemaRejected as exc:
             if strict is None:
                 raise
             # Strict mode's subset as the provider has it now may be narrower than ours:
             # the caller's schema as it is, without the guarantee, is still worth a try.
+            # Its answer is validated like any other, so one served is charged like any
+            # other; the answer says strict mode was refused (docs/api.md).
             log.warning("the llm provider rejected a strict schema; asking without strict")
             strict = None
+            rejected = str(exc.extra.get("reason") or exc.message)
             data = await self._complete(prompt, chosen, schema, False)
         value = _answer(data)
         _check(value, schema)
@@ -152,7 +159,8 @@ class LLMClient(ProviderClient):
             usage = {}
         return Completion(value, str(data.get("model") or chosen),
                           int(usage.get("prompt_tokens") or 0),
-                          int(usage.get("completion_tokens") or 0), strict is not None)
+                          int(usage.get("completion_tokens") or 0), strict is not None,
+                          rejected)
 
     async def _complete(self, prompt: str, model: str, schema: dict[str, Any],
                         strict: bool) -> Any:
@@ -211,8 +219,9 @@ def _answer(data: Any) -> Any:
         raise ProviderError("the llm provider sent no usable answer", provider="llm") from exc
     finish = choice.get("finish_reason") if isinstance(choice, dict) else None
     if finish == "length":
+        # no "tokens refunded" here: a 502's message ends with errors.REFUNDED already
         raise OutputTruncated("the answer reached the model's output limit before it was "
-                              "complete; tokens refunded", provider="llm")
+                              "complete", provider="llm")
     if finish == "content_filter":
         raise ContentFiltered("the provider's content filter stopped the answer; tokens "
                               "refunded", provider="llm")

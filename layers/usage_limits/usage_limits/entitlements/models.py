@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ..exceptions import InvalidArgument
@@ -20,13 +20,17 @@ MAX_REASON = 500
 #: Largest grant, tokens (Lua numbers are exact integers far beyond this).
 MAX_GRANT_TOKENS = 10**12
 _REFERENCE = re.compile(r"[A-Za-z0-9_.:@/+=-]{1,128}")
+#: The latest instant ``iso`` can write, 9999-12-31T23:59:59.999Z, ms since the epoch.
+LATEST_MS = 253_402_300_799_999
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def iso(ms: int | None) -> str | None:
     """``ms`` since the epoch as RFC 3339 in UTC with a ``Z`` (None stays None)."""
     if ms is None:
         return None
-    text = datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+    # exact: a float of seconds rounds the last millisecond away near the year 9999
+    text = (_EPOCH + timedelta(milliseconds=ms)).isoformat(timespec="milliseconds")
     return text.replace("+00:00", "Z")
 
 
@@ -34,7 +38,8 @@ def parse_time(text: str, *, name: str) -> int:
     """An RFC 3339 time with a zone (``2027-01-31T00:00:00Z``) as ms since the epoch.
 
     Raises:
-        InvalidArgument: the text is not a time with a zone.
+        InvalidArgument: the text is not a time with a zone, or it is later than
+            ``LATEST_MS`` in UTC.
     """
     try:
         moment = datetime.fromisoformat(text.strip().replace("z", "Z"))
@@ -43,7 +48,13 @@ def parse_time(text: str, *, name: str) -> int:
                               f"2027-01-31T00:00:00Z, got {text!r}") from None
     if moment.tzinfo is None:
         raise InvalidArgument(f"{name} must name its time zone (e.g. a trailing Z)")
-    return int(moment.timestamp() * 1000)
+    # exact integer ms (a float timestamp rounds near the year 9999); the result may still
+    # be past what ``iso`` can write once a zone's offset is taken off
+    at_ms = (moment - _EPOCH) // timedelta(milliseconds=1)
+    if at_ms > LATEST_MS:
+        raise InvalidArgument(f"{name} must be at most 9999-12-31T23:59:59.999Z in UTC, "
+                              f"got {text!r}")
+    return at_ms
 
 
 def check_reason(reason: object) -> str:

@@ -41,16 +41,17 @@ class Picture:
 
     Attributes:
         user_id: the user.
-        plan: the plan the user gets without a plan claim (the override, else the default).
-        plan_source: ``override`` or ``default`` (a JWT claim, seen only on the user's own
-            requests, may choose another plan when there is no override).
+        plan: the plan the user is measured against: the override, else the plan of the
+            last charge that stands (``last_charge``), else the default.
+        plan_source: ``override``, ``claim`` (the plan of the last charge, chosen by the
+            user's JWT claim, or ``X-Atto-Plan`` in local mode) or ``default``.
         entitlements: the durable record (override, suspension, grants).
         windows: the plan's windows and what each holds now.
         events: the most recent charges, most recent first.
         now_ms: the time the picture was taken, ms since the epoch.
-        last_charge: (ms, plan name) of the user's last charge, as the ledger recorded it
-            (the plan it was really charged under, a JWT claim's included); None when
-            unknown (no charge yet, or the cache lost it).
+        last_charge: (ms, plan name) of the user's last charge that stands (not refunded:
+            a failed request's charge is not one), the plan it was really charged under;
+            None when unknown (no charge yet, or the cache lost it).
     """
 
     user_id: str
@@ -111,14 +112,46 @@ class Operator:
         """
         from ..budget import Window
 
+        def windows(plan: Plan) -> list[Window]:
+            return [Window(limit=limit, seconds=seconds) for limit, seconds in plan.windows]
+
         record: UserEntitlements = await self._run(self.store.load, user_id)
         resolved = self.plans.resolve(override=record.override.plan if record.override
                                       else None)
-        windows = [Window(limit=limit, seconds=seconds)
-                   for limit, seconds in resolved.plan.windows]
-        usage = await self.budget.usage(user_id, windows=windows, events=PICTURE_EVENTS)
-        return Picture(user_id, resolved.plan, resolved.source, record, usage.windows,
-                       usage.events, usage.now_ms, usage.last_charge)
+        plan, source = resolved.plan, resolved.source
+        usage = await self.budget.usage(user_id, windows=windows(plan),
+                                        plan_name=plan.name, events=PICTURE_EVENTS)
+        last = await self._standing_charge(user_id, usage.events, usage.last_charge)
+        charged = self.plans.get(last[1]) if last is not None else None
+        if source != "override" and charged is not None and charged.name != plan.name:
+            # the user's own requests chose this plan (a claim): they are measured by it
+            plan, source = charged, "claim"
+            usage = await self.budget.usage(user_id, windows=windows(plan),
+                                            plan_name=plan.name, events=PICTURE_EVENTS)
+        return Picture(user_id, plan, source, record, usage.windows, usage.events,
+                       usage.now_ms, last)
+
+    async def _standing_charge(self, user_id: str, events: tuple[SpendEvent, ...],
+                               last: tuple[int, str] | None) -> tuple[int, str] | None:
+        """(ms, plan name) of the user's last charge that stands, or None when unknown.
+
+        The ledger keeps the plan of its last charge (``last``), but a refund takes a
+        charge out of the log and leaves ``last`` naming it: a failed request's plan is no
+        plan the user is measured by. So ``last`` counts only when it is the newest
+        charge in the log; else the newest charge's usage record names its plan.
+        """
+        if not events:
+            return None
+        newest = events[0]
+        if last is not None and last[0] == newest.at_ms:
+            return last
+        if self.usage is None or not newest.nonce:
+            return None
+        try:
+            found = await self._run(self.usage.get, user_id, newest.request_id, newest.nonce)
+        except StoreUnavailable:
+            return None  # the picture is still worth showing; the plan is then unknown
+        return (newest.at_ms, found.plan) if found is not None and found.plan else None
 
     async def set_plan(self, user_id: str, plan: str, *, actor: str,
                        reason: str) -> PlanOverride:

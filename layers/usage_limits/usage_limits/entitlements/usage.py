@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 from ..exceptions import InvalidArgument
 from .charges import ChargeRecord, Pairs, decode_pairs, encode_pairs
+from .models import LATEST_MS
 
 RecordState = Literal["charged", "settled", "refunded", "support-refunded"]
 #: Every state a record may be in; ``charged`` is the only one ``kept == cost``.
@@ -67,6 +68,8 @@ DEFAULT_RECORD_DAYS = 400
 HOUR_MS = 3_600_000
 DAY_MS = 86_400_000
 _MAX_ID = 256
+#: DynamoDB's largest sort key, bytes.
+MAX_SORT_KEY_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -247,7 +250,11 @@ def decode_cursor(cursor: str) -> tuple[str, int]:
         sk, at = data["s"], data["a"]
         if not isinstance(sk, str) or not sk or isinstance(at, bool) or not isinstance(at, int):
             raise ValueError(cursor)
-    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeError):
+        # DynamoDB refuses a number past 38 digits and a sort key past 1,024 bytes
+        if not 0 <= at <= LATEST_MS or len(sk.encode()) > MAX_SORT_KEY_BYTES:
+            raise ValueError(cursor)
+    # RecursionError: JSON nested deeper than the parser's stack (a crafted cursor)
+    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeError, RecursionError):
         raise InvalidArgument("cursor is not one this API returned") from None
     return sk, at
 

@@ -293,8 +293,11 @@ class TokenGuard:
                 "the usage limiter is unavailable; nothing was charged",
                 headers=retry_after_header(1)) from exc
         except CostExceedsLimit as exc:
+            from .metering import _read_windows  # metering imports this module
+
+            await _read_windows(state)  # the 422's RateLimit fields, and the quota's room
             raise _cost_exceeds_plan(cost, exc, budget.windows[-1].seconds,
-                                     entitled=ent is not None) from exc
+                                     entitled=ent is not None, windows=state.windows) from exc
         if ent is not None:
             _check_entitlements(reservation)
             state.plan_name = reservation.plan_name or state.plan_name
@@ -420,17 +423,23 @@ def _why_refused(reservation: Reservation, entitled: bool) -> str:
 
 
 def _cost_exceeds_plan(cost: int, exc: CostExceedsLimit, longest_s: float, *,
-                       entitled: bool) -> CostExceedsPlan:
+                       entitled: bool, windows: tuple[WindowUsage, ...] = ()
+                       ) -> CostExceedsPlan:
     """The 422 for a cost the plan used cannot serve, saying whether credit could help.
 
     ``exc.credit`` is set when the window is the plan's quota: credit pays the part beyond
-    it, and the user's live credit is short of that part (``credit_needed``). A shorter
-    window bounds every request, credit or not.
+    it, and the user's live credit is short of that part. ``credit_needed`` is the credit
+    that serves the request now: the cost less the room the quota has left (``windows``,
+    read after the refusal; the quota is the last), not merely the cost less the quota,
+    since a quota partly spent covers only its room. Without ``windows`` (the read failed)
+    it is ``cost - limit``, the least that could do. A shorter window bounds every
+    request, credit or not.
     """
     window_s = int(exc.window_s if exc.window_s is not None else longest_s)
     limit = int(exc.limit)
     if exc.credit is not None:
-        needed = cost - limit
+        quota = windows[-1] if windows and int(windows[-1].window_s) == window_s else None
+        needed = cost - (limit if quota is None else min(limit, max(quota.remaining, 0)))
         return CostExceedsPlan(
             f"this request costs {cost} tokens, more than your plan's quota of {limit} "
             f"tokens per {window_s} s; credit pays the part beyond the quota, and it needs "

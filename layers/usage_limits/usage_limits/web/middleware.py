@@ -47,7 +47,13 @@ from ..deadline import deadline_scope, request_budget_s
 from . import events, holds, identity, records, refunds
 from . import idempotency as idem
 from . import observability as obs
-from .errors import LIMITER_UNAVAILABLE_CODE, ApiError, current_request_id, error_response
+from .errors import (
+    LIMITER_UNAVAILABLE_CODE,
+    REFUNDED,
+    ApiError,
+    current_request_id,
+    error_response,
+)
 from .guard import STATE_KEY, RequestState
 from .settings import settings
 
@@ -304,7 +310,8 @@ def _telling(body: bytes, landed: bool) -> bytes:
     error = answer.get("error") if isinstance(answer, dict) else None
     if not isinstance(error, dict):
         return body
-    message = str(error.get("message", "")).removesuffix("; tokens refunded")
+    message = str(error.get("message", "")).removesuffix("; tokens refunded") \
+        .removesuffix(f"; {REFUNDED}")  # a 502's or a 503's (ProviderError, provider_busy)
     error.update(message=f"{message}; {REFUND_KEPT}", charged="unknown")
     return json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
 

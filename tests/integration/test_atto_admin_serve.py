@@ -148,20 +148,21 @@ def test_the_plan_header_chooses_the_plan_locally(served: Served) -> None:
     assert report["plan"] == "pro" and report["windows"][0]["limit"] == 40
 
 
-def test_show_names_the_plan_the_last_request_was_charged_under(served: Served) -> None:
-    """A user whose plan comes from the claim (X-Atto-Plan locally) shows plan free
-    (default) beside "charged under pro" with its time; a user never charged shows
-    "unknown"."""
+def test_show_draws_the_plan_the_last_request_was_charged_under(served: Served) -> None:
+    """A user whose plan comes from the claim (X-Atto-Plan locally) shows plan pro (claim)
+    with pro's windows and "charged under pro" with its time; a user never charged shows
+    the default and "unknown"."""
     user = "last-" + uuid.uuid4().hex[:8]
     code, out, _ = cli(served, "show", user, json_out=False)
-    assert code == 0 and "charged   unknown" in out
+    assert code == 0 and "charged   unknown" in out and "plan      free (default)" in out
     assert embed(served, user, plan="pro").status_code == 200
     code, out, _ = cli(served, "show", user, json_out=False)
-    assert code == 0 and "plan      free (default)" in out
+    assert code == 0 and "plan      pro (claim)" in out
     assert "charged   under pro at 20" in out
     picture = cli(served, "show", user)[1]
     assert picture["last_charged"]["plan"] == "pro"
     assert picture["last_charged"]["at"].endswith("Z")
+    assert [w["limit"] for w in picture["windows"]] == [40, 2000]
 
 
 def test_cli_changes_reach_the_users_next_request(served: Served) -> None:

@@ -566,17 +566,18 @@ def test_a_failed_drawing_request_shows_the_credit_given_back(
 
 def test_the_operator_view_shows_the_plan_last_charged_and_unknown_after_a_flush(
         env: Any) -> None:
-    """A user on the claim's plan (pro) without an override: the admin picture shows the
-    default plan beside last_charged pro with its RFC 3339 time; after FLUSHALL it says
-    null (unknown) until the next charge."""
+    """A user on the claim's plan (pro) without an override: the admin picture shows pro
+    (source claim), last charged under pro at an RFC 3339 time; after FLUSHALL the last
+    charge is null (unknown) and the default is shown, until the next charge."""
     user = uuid.uuid4().hex
     assert embed(user, 1, groups="[pro]") == [200]
     picture = op("GET", f"/admin/v1/users/{user}").body
-    assert picture["plan"]["name"] == "free" and picture["override"] is None
-    assert picture["last_charged"]["plan"] == "pro"
+    assert (picture["plan"]["name"], picture["plan"]["source"]) == ("pro", "claim")
+    assert picture["override"] is None and picture["last_charged"]["plan"] == "pro"
     assert picture["last_charged"]["at"].endswith("Z")
     env.flushall()
-    assert op("GET", f"/admin/v1/users/{user}").body["last_charged"] is None
+    flushed = op("GET", f"/admin/v1/users/{user}").body
+    assert flushed["last_charged"] is None and flushed["plan"]["name"] == "free"
     assert embed(user, 1, groups="[team]") == [200]
     assert op("GET", f"/admin/v1/users/{user}").body["last_charged"]["plan"] == "team"
 

@@ -23,7 +23,7 @@ from tests.metered import handler, metered_app
 from usage_limits.entitlements.config import StoreSettings
 from usage_limits.entitlements.store import EntitlementStore
 from usage_limits.entitlements.usage_store import UsageSettings, UsageStore, set_usage_store
-from usage_limits.web import require_tokens
+from usage_limits.web import events, require_tokens
 
 if TYPE_CHECKING:
     from local.lambda_events import Result
@@ -165,3 +165,30 @@ def test_show_without_a_claim_or_an_override_is_the_default(env: None) -> None:
     overridden = op("GET", f"/admin/v1/users/{other}").body
     assert (overridden["plan"]["name"], overridden["plan"]["source"]) == ("pro", "override")
     assert [w["limit"] for w in overridden["windows"]] == [400, 20000]
+
+
+def test_a_threshold_is_reported_once_across_plan_changes(
+        env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user on free crosses 80% and 100% of the 24-token quota once; moved to default
+    and back to free, still past free's quota, no threshold is reported again; a user
+    moved from default to free with 16 spent gets 80% and 100% from the charge that takes
+    them to 24, once."""
+    published: list[Any] = []
+    monkeypatch.setattr(events, "publish_soon", published.extend)
+
+    def crossed(user: str, plans: list[str]) -> list[tuple[int, str, int]]:
+        published.clear()
+        assert [call("/ok", user, plan).status for plan in plans] == [200] * len(plans)
+        return [(e.threshold, e.plan, e.window_s) for e in published
+                if isinstance(e, events.UsageThreshold)]
+
+    month = 30 * 86400
+    back_and_forth = uuid.uuid4().hex
+    grant(back_and_forth, 500)  # credit pays what free's quota cannot
+    assert crossed(back_and_forth, ["free"] * 3) == [(80, "free", month), (100, "free", month)]
+    assert crossed(back_and_forth, ["default", "default", "free", "free"]) == []
+    moved = uuid.uuid4().hex
+    grant(moved, 500)
+    assert crossed(moved, ["default", "default"]) == []
+    assert crossed(moved, ["free"]) == [(80, "free", month), (100, "free", month)]
+    assert crossed(moved, ["default", "free"]) == []

@@ -122,11 +122,18 @@ class TokenUsage:
 
 @dataclass(frozen=True, kw_only=True)
 class StructuredResult:
-    """``POST /v1/structured``: a JSON value valid for the caller's schema."""
+    """``POST /v1/structured``: a JSON value valid for the caller's schema.
+
+    ``strict``: the answer came in the provider's strict mode; ``strict_rejected``: the
+    provider's reason when it refused the schema in strict mode and the answer was asked
+    without it (None otherwise).
+    """
 
     data: Any
     model: str
     usage: TokenUsage
+    strict: bool = False
+    strict_rejected: str | None = None
     info: ResponseInfo | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -134,7 +141,9 @@ class StructuredResult:
         usage = obj["usage"]
         return cls(data=obj["data"], model=obj["model"], info=info,
                    usage=TokenUsage(int(usage["prompt_tokens"]),
-                                    int(usage["completion_tokens"])))
+                                    int(usage["completion_tokens"])),
+                   strict=bool(obj.get("strict", False)),
+                   strict_rejected=obj.get("strict_rejected"))
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,7 @@ def test_async_client_calls_every_route(served: Served, emulator: EmulatorProces
     results = asyncio.run(run())
     assert [type(r) for r in results] == [StructuredResult, EmbeddingsResult, CompanyResearch,
                                          SalaryResult, JobListing, Usage]
+    assert (results[0].strict, results[0].strict_rejected) == (True, None)  # the emulator's
     ledger = usage_of(served, user)
     assert len(ledger.events) == 5
     assert {e.request_id for e in ledger.events} == {r.info.request_id for r in results[:5]}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from fastapi import Depends
 
 from local.lambda_events import http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
@@ -23,9 +24,11 @@ from usage_limits.connection import redis_from_env
 from usage_limits.web import (
     idempotency,
     refunds,
+    require_tokens,
     runtime,
     settings,
 )
+from usage_limits.web.errors import REFUNDED, ProviderError
 
 RESERVE = script_sha(script("budget_reserve").sha)
 REFUND = script_sha(script("budget_refund").sha)
@@ -84,9 +87,14 @@ def fleet(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
     # as production configures it (connection.py): one retry, a short socket timeout
     faulty = Environment(redis_from_env(url=fault_proxy.url, retries=1, socket_timeout_s=0.25))
     direct = Environment(redis_from_env(url=redis_server.url, retries=1, socket_timeout_s=2.0))
+    app = metered_app("refund ownership test")
+
+    @app.post("/upstream", dependencies=[Depends(require_tokens(cost=5))])
+    async def upstream() -> None:
+        raise ProviderError("the upstream failed")  # its message ends with REFUNDED
+
     with lambda_loop():
-        yield Fleet(handler(metered_app("refund ownership test")), faulty, direct,
-                    fault_proxy)
+        yield Fleet(handler(app), faulty, direct, fault_proxy)
     runtime.set_redis(None)
     settings.cache_clear()
     idempotency.reset()
@@ -143,3 +151,17 @@ def test_kept_middleware_refund_spares_a_later_charge_of_the_same_key(fleet: Fle
     fleet.call(fleet.faulty, "POST", "/ok", body={}, user=uuid.uuid4().hex)
     assert fleet.pending(fleet.faulty) == 0
     assert fleet.used(user) == 5
+
+
+def test_a_502_whose_refund_did_not_finish_does_not_also_say_refunded(fleet: Fleet) -> None:
+    """A provider_error whose refund lost its replies says the request may still be charged,
+    and no longer also that its tokens were refunded."""
+    user = uuid.uuid4().hex
+    fleet.proxy.inject(Fault.DROP_REPLY, match=REFUND, times=2)
+    failed = fleet.call(fleet.faulty, "POST", "/upstream", body={}, user=user)
+    assert failed.status == 502 and failed.body["error"]["charged"] == "unknown"
+    message = failed.body["error"]["message"]
+    assert message.startswith("the upstream failed; ") and "may still be charged" in message
+    assert REFUNDED not in message
+    fleet.call(fleet.faulty, "POST", "/ok", body={}, user=uuid.uuid4().hex)  # the kept refund
+    assert fleet.pending(fleet.faulty) == 0

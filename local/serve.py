@@ -37,6 +37,8 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from .stack import DATA_ENV
+
 #: Variables read per request under ``make serve``, so each function may set its own.
 PER_REQUEST_VARIABLES = frozenset({
     "ATTO_ENV", "ATTO_BUDGET", "ATTO_MAX_BODY_BYTES", "ATTO_DEADLINE_MARGIN_S",
@@ -339,6 +341,16 @@ def check_port(host: str, port: int) -> None:
                              "choose another with PORT=...") from None
 
 
+def state_line(data: str | None) -> str:
+    """Where the banner says the state is kept: ``data`` (``ATTO_LOCAL_DATA``, make serve's
+    ``.local``) keeps it across restarts; without it, it is lost when the server stops."""
+    what = "State (budgets, grants, usage records, the audit log)"
+    if data:
+        return (f"{what} is kept in {data} across restarts; `make reset-local` forgets "
+                "it.")
+    return f"{what} is in memory: it goes when this stops (ATTO_LOCAL_DATA is unset)."
+
+
 def main() -> int:
     import uvicorn
 
@@ -364,7 +376,7 @@ def main() -> int:
         for fn in functions():
             print(f"  {fn.method:5} {url}{fn.path}")
         print(f"  API docs: {url}/docs (OpenAPI: {url}/openapi.json)")
-        print("  State (budgets, grants, audit) is in memory: it goes when this stops.")
+        print("  " + state_line(os.environ.get(DATA_ENV)))
         print("Try:\n"
               f"  curl -i -X POST {url}/v1/structured -H 'X-Atto-User: alice' "
               "-H 'Content-Type: application/json' \\\n"

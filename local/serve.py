@@ -193,8 +193,10 @@ class Dispatcher:
             merged: dict[str, Any] = {"openapi": "3.1.0", "info": {
                 "title": "Atto Cloud (local)", "version": "1.0.0",
                 "description": "Every function's routes as make serve mounts them. Locally the "
-                               "X-Atto-User header names the user; in AWS the JWT authorizer "
-                               "does (and IAM on /admin/v1/)."}, "paths": {}}
+                               "X-Atto-User header names the user (Authorize: AttoUser, and "
+                               "AttoPlan to choose a plan); in AWS the JWT authorizer does "
+                               "(and IAM on /admin/v1/, served unsigned here)."},
+                "paths": {}}
             schemas: dict[str, Any] = {}
             for n, app in enumerate(dict.fromkeys(self.routes.values())):  # each app once
                 document = _without_collisions(app.openapi(), schemas, f"_{n}")
@@ -203,7 +205,10 @@ class Dispatcher:
                         {m: op for m, op in item.items() if (m.upper(), path) in self.routes})
                 schemas.update(document.get("components", {}).get("schemas", {}))
             merged["components"] = {"schemas": dict(sorted(schemas.items()))}
-            self._openapi = merged
+            from .openapi import metered_routes, with_local_security
+
+            self._openapi = with_local_security(
+                merged, metered_routes(dict.fromkeys(self.routes.values())))
         return self._openapi
 
     async def _documentation(self, scope: Scope, receive: Receive, send: Send) -> bool:
@@ -375,7 +380,8 @@ def main() -> int:
                 print(f"  {name}={started[name]} (started for this session)")
         for fn in functions():
             print(f"  {fn.method:5} {url}{fn.path}")
-        print(f"  API docs: {url}/docs (OpenAPI: {url}/openapi.json)")
+        print(f"  API docs: {url}/docs (Swagger UI, loaded from a CDN; OpenAPI: "
+              f"{url}/openapi.json)")
         print("  " + state_line(os.environ.get(DATA_ENV)))
         print("Try:\n"
               f"  curl -i -X POST {url}/v1/structured -H 'X-Atto-User: alice' "

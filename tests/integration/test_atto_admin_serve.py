@@ -344,6 +344,43 @@ def test_make_serve_serves_one_openapi_document_and_its_docs_page(served: Served
     page = httpx.get(served.url + "/docs", timeout=10)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "/openapi.json" in page.text
+    assert "Swagger UI, loaded from a CDN" in served.log.read_text()
+
+
+def test_try_it_out_sends_what_the_openapi_document_declares(served: Served) -> None:
+    """/openapi.json declares X-Atto-User (and X-Atto-Plan, optional) as the security of
+    every /v1/ operation and Idempotency-Key on each metered one: requests built from those
+    declarations alone, as Swagger UI's "Try it out" builds them, are served (401 without),
+    under the plan chosen, and a repeated key is a replay."""
+    document = httpx.get(served.url + "/openapi.json", timeout=30).json()
+    schemes = document["components"]["securitySchemes"]
+    for path, item in document["paths"].items():
+        for operation in item.values():
+            assert ({"AttoUser": []} in operation["security"]) if path.startswith("/v1/") \
+                else "security" not in operation
+
+    def authorized(operation: dict[str, Any], values: dict[str, str]) -> dict[str, str]:
+        """The headers Swagger UI sends: each authorized scheme the operation lists."""
+        return {schemes[name]["name"]: values[name] for requirement in operation["security"]
+                for name in requirement if name in values}
+
+    user = "try-" + uuid.uuid4().hex[:8]
+    usage = document["paths"]["/v1/usage"]["get"]
+    assert httpx.get(served.url + "/v1/usage", timeout=30).status_code == 401
+    answer = httpx.get(served.url + "/v1/usage", timeout=30,
+                       headers=authorized(usage, {"AttoUser": user, "AttoPlan": "pro"}))
+    assert answer.status_code == 200 and answer.json()["plan"] == "pro"
+    keyed = {f"{method.upper()} {path}" for path, item in document["paths"].items()
+             for method, operation in item.items()
+             if any(p["name"] == "Idempotency-Key" and p["in"] == "header"
+                    for p in operation.get("parameters", []))}
+    assert keyed == {route for route, cost in answer.json()["prices"].items() if cost != 0}
+    embeddings = document["paths"]["/v1/embeddings"]["post"]
+    headers = {**authorized(embeddings, {"AttoUser": user}), "Idempotency-Key": "try-1"}
+    first, again = (httpx.post(served.url + "/v1/embeddings", json={"input": ["x"]},
+                               headers=headers, timeout=30) for _ in range(2))
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again.headers["idempotent-replayed"] == "true"
 
 
 def test_audit_lines_show_details_as_pairs_with_rfc3339_instants(served: Served) -> None:

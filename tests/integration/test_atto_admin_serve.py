@@ -254,13 +254,16 @@ def test_with_no_flags_the_cli_finds_make_serve(served: Served) -> None:
 
 
 def test_with_nothing_to_reach_the_error_names_the_flags() -> None:
-    """With no make serve running and no AWS settings, the error says to start make serve
-    or pass --url or --stack, in one line, without a traceback."""
-    proc = bare_cli("show", "alice", port=free_port())
+    """With no make serve running and no AWS settings, the error names the URL and PORT it
+    tried and says to start make serve or pass --url or --stack, in one line, without a
+    traceback."""
+    port = free_port()
+    proc = bare_cli("show", "alice", port=port)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
+    assert f"http://127.0.0.1:{port} (PORT={port})" in err
     assert "--url" in err and "--stack" in err and "make serve" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_validation_details_are_printed(served: Served) -> None:

@@ -13,7 +13,11 @@ Where an output block shows answers (``HTTP/1.1 ...`` with headers and a JSON bo
 compared with the server's, field by field as a reader compares them: every header shown
 with its value (only the seconds ``t=`` and ``Retry-After`` may differ), and every field of
 the body, nested ones too, with the same names and values (token counts, model, code,
-message), only instants and ids may differ in value (``VOLATILE``) but must be there.
+message), only instants and ids may differ in value (``VOLATILE``) but must be there. A
+status comment's error code, the JSON fields it quotes and the tokens it says the call
+costs (``(2 tokens)``, ``nothing charged``) are checked against that call's answer; the cost
+is what the user's first window had left before the call (``GET /v1/usage``, free) less
+the answer's ``RateLimit`` ``r`` for it.
 """
 
 from __future__ import annotations
@@ -42,13 +46,27 @@ _STATUS_COMMENT = re.compile(r"^#\s*(?:[a-z ]+:\s*)?([1-5]\d\d)\b")
 _HTTP_STATUS = re.compile(r"^HTTP/[\d.]+ ([1-5]\d\d)\b")
 _BARE_STATUSES = re.compile(r"^(?:[1-5]\d\d\s*)+$")
 
-#: Runs the example with every curl call's final status appended to $STATUSES, and what it
-#: printed to $BODIES, each call's ended by ``_CALL_END``.
+#: Runs the example with every curl call's final status appended to $STATUSES, what it
+#: printed to $BODIES, and to $CALLS its arguments, what the user's first window had left
+#: before it (asked of ``GET /v1/usage``, which is free, with the call's X-Atto-* headers)
+#: and its answer's headers; each call's record ended by ``_CALL_END``.
 _PRELUDE = r"""
 curl() {
+  local arg previous="" identity=() before=""
+  for arg in "$@"; do
+    if [ "$previous" = -H ]; then
+      case "$arg" in [Xx]-[Aa]tto-*) identity+=(-H "$arg") ;; esac
+    fi
+    previous="$arg"
+  done
+  if [ ${#identity[@]} -gt 0 ]; then
+    before=$(command curl -s "$SERVER/v1/usage" "${identity[@]}" \
+      | grep -o '"remaining":[0-9]*' | head -n 1)
+  fi
   command curl --dump-header "$HEADERS" "$@" | tee -a "$BODIES"
   local rc=${PIPESTATUS[0]}
   printf '\n\036\n' >> "$BODIES"
+  { printf '%s\nbefore %s\n' "$*" "$before"; cat "$HEADERS"; printf '\n\036\n'; } >> "$CALLS"
   grep -a '^HTTP/' "$HEADERS" | tail -n 1 | cut -d' ' -f2 >> "$STATUSES"
   : > "$HEADERS"
   return $rc
@@ -177,6 +195,30 @@ def comment_differences(comment: str, body: object) -> list[str]:
                        f"{body!r:.300}")
         position = end
     return out
+
+
+_BEFORE = re.compile(r'(?m)^before "remaining":(\d+)$')
+_FIRST_REMAINING = re.compile(r"(?im)^ratelimit:[^\r\n]*?;r=(\d+)")
+_TOKENS_SAID = re.compile(r"(?:^|\(|charge of )(\d+) tokens?\b")
+
+
+def charge(call: str) -> int | None:
+    """The tokens one call cost its user (its ``$CALLS`` record): what the first window had
+    left before it less its answer's ``r`` for that window; None when either is unknown (no
+    user, no RateLimit fields)."""
+    before, after = _BEFORE.search(call), _FIRST_REMAINING.findall(call)
+    return int(before[1]) - int(after[-1]) if before and after else None
+
+
+def charge_differences(comment: str, charged: int | None) -> list[str]:
+    """How a call's charge differs from the tokens its status comment says it costs
+    (``(2 tokens)``, ``a charge of 1 token``, ``8 tokens, ...``; ``nothing charged``: 0)."""
+    text = re.sub(r"^#\s*(?:[a-z ]+:\s*)?[1-5]\d\d:?\s*", "", comment)
+    said = _TOKENS_SAID.search(text)
+    expected = int(said[1]) if said else 0 if "nothing charged" in text else None
+    if expected is None or charged is None or expected == charged:
+        return []
+    return [f"comment says {expected} tokens, the RateLimit fields say {charged}: {comment}"]
 
 
 def _first_json(text: str) -> object:
@@ -317,9 +359,9 @@ def test_examples_pasted_in_order_answer_as_documented() -> None:
     with serving.serve() as served, tempfile.TemporaryDirectory() as tmp:
         for example in examples():
             statuses, headers = Path(tmp, "statuses"), Path(tmp, "headers")
-            bodies = Path(tmp, "bodies")
-            statuses.write_text("")
-            bodies.write_text("")
+            bodies, calls = Path(tmp, "bodies"), Path(tmp, "calls")
+            for file in (statuses, bodies, calls):
+                file.write_text("")
             script = (example.script.replace(DOC_SERVER, served.url)
                       .replace(DOC_EMULATOR, served.emulator_url))
             if example.python:
@@ -335,7 +377,8 @@ def test_examples_pasted_in_order_answer_as_documented() -> None:
                             "PYTHONPATH": os.pathsep.join(
                                 [str(ROOT / "tools"), env.get("PYTHONPATH", "")]),
                             "STATUSES": str(statuses), "HEADERS": str(headers),
-                            "BODIES": str(bodies)})
+                            "BODIES": str(bodies), "CALLS": str(calls),
+                            "SERVER": served.url})
                 out = subprocess.run(["bash", "-c", _PRELUDE + _CLI_PRELUDE + script],
                                      cwd=tmp, text=True, capture_output=True, timeout=300,
                                      env=env)
@@ -345,16 +388,19 @@ def test_examples_pasted_in_order_answer_as_documented() -> None:
             out = subprocess.run(["bash", "-c", _PRELUDE + script], cwd=tmp, text=True,
                                  capture_output=True, timeout=300,
                                  env={**os.environ, "STATUSES": str(statuses),
-                                      "HEADERS": str(headers), "BODIES": str(bodies)})
+                                      "HEADERS": str(headers), "BODIES": str(bodies),
+                                      "CALLS": str(calls), "SERVER": served.url})
             got = tuple(int(s) for s in statuses.read_text().split())
             results.append((example.where, example.expected, got, out.stdout[-300:]))
             if example.shown:
                 shown_wrong += [f"{example.where}: {d}" for d in answer_differences(
                     list(example.shown), answers(out.stdout))]
-            calls = bodies.read_text().split(_CALL_END)
-            for comment, call in zip(example.comments, calls, strict=False):
-                shown_wrong += [f"{example.where}: {d}" for d in comment_differences(
-                    comment, _first_json(call))]
+            charges = [charge(call) for call in calls.read_text().split(_CALL_END)]
+            for comment, body, charged in zip(example.comments, bodies.read_text().split(
+                    _CALL_END), charges, strict=False):
+                shown_wrong += [f"{example.where}: {d}" for d in (
+                    comment_differences(comment, _first_json(body))
+                    + charge_differences(comment, charged))]
     wrong = [r for r in results if r[1] != r[2]]
     assert wrong == [], "\n".join(f"{w}: documented {e}, got {g}: {o}" for w, e, g, o in wrong)
     assert shown_wrong == [], "\n".join(shown_wrong)

@@ -292,11 +292,13 @@ def test_a_closed_pipe_is_no_traceback(served: Served) -> None:
 def test_an_ended_suspension_reads_as_ended(served: Served) -> None:
     """show says a timed suspension that has passed is over, not 'suspended ended until'."""
     user = "ended-" + uuid.uuid4().hex[:8]
-    until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 2))
+    # 8 s: two CLI runs (about a second each, more on a loaded machine) fit before it ends
+    ends = int(time.time()) + 8
+    until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ends))
     assert cli(served, "suspend", user, "--reason", "cool-off", "--until", until)[0] == 0
     code, out, _ = cli(served, "show", user, json_out=False)
     assert code == 0 and "suspended YES, until" in out
-    time.sleep(2.5)
+    time.sleep(max(0.0, ends - time.time()) + 0.5)
     code, out, _ = cli(served, "show", user, json_out=False)
     assert code == 0
     line = next(ln for ln in out.splitlines() if ln.startswith("suspended"))

@@ -15,7 +15,8 @@ export SAM_CLI_TELEMETRY := 0
 export AWS_EC2_METADATA_DISABLED := true
 
 FN    ?= structured
-EVENT ?= events/$(FN).json
+# events/$(FN).json, else the function's only event (the auditor's: events/auditor_schedule.json)
+EVENT ?= $(firstword $(wildcard events/$(FN).json events/$(FN)_*.json) events/$(FN).json)
 
 .PHONY: help
 help: ## Show this help.
@@ -111,7 +112,7 @@ reset-local: ## Forget the local state of make serve (budgets, grants, audit in 
 	rm -rf .local
 
 .PHONY: invoke
-invoke: $(STAMP) redis-server ## Invoke a function handler with an event: make invoke FN=structured EVENT=events/structured.json
+invoke: $(STAMP) redis-server ## Run one function (any, the scheduled auditor too) on the local stack: make invoke FN=auditor
 	$(PY) -m local.invoke $(FN) $(EVENT)
 
 .PHONY: admin

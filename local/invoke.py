@@ -1,11 +1,14 @@
 """``make invoke FN=structured EVENT=events/structured.json``: run one handler like Lambda.
 
-Loads ``functions/<FN>/app.py`` with the function's own environment from template.yaml
+Loads ``functions/<FN>/app.py`` (any function of template.yaml: one with routes, or the
+scheduled auditor, whose event is ``events/auditor_schedule.json``) with the function's own
+environment from template.yaml
 (the shell's and the local stack's values winning, as ``--env-vars`` wins under
 ``sam local invoke``), calls its Mangum ``handler`` with the event and a Lambda context whose
 timeout is the function's ``Timeout``, and prints the response with its body decoded.
-Starts the local stack (private redis-server, emulator) when ``REDIS_URL``/``LLM_BASE_URL``
-are unset, as ``sam local invoke`` would need. An event that names the emulator at its
+Starts the local stack (private redis-server, emulator, local DynamoDB tables) when
+``REDIS_URL``/``LLM_BASE_URL``/``ATTO_ENTITLEMENTS_TABLE`` are unset, as ``sam local
+invoke`` would need. An event that names the emulator at its
 documented address (``http://127.0.0.1:8100``) is pointed at the emulator this run started.
 
 Exit status: 0 when the handler answered, 2 for a usage error (unknown function, an event
@@ -86,13 +89,13 @@ def main(argv: list[str]) -> int:
     name, event_path = argv
     from .lambda_events import FakeContext
     from .stack import DOCUMENTED_EMULATOR_URL, local_stack
-    from .template import functions, local_environment
+    from .template import every_function, local_environment
 
-    spec = next((fn for fn in functions() if fn.code_dir.rstrip("/").endswith("/" + name)), None)
+    known = every_function()
+    spec = next((fn for fn in known if fn.name == name), None)
     if spec is None:
-        # one function serves several routes (admin): each name once
-        names = {fn.code_dir.rstrip("/").rsplit("/", 1)[-1] for fn in functions()}
-        print(f"make invoke: unknown function {name!r}; known: {', '.join(sorted(names))}",
+        names = sorted(fn.name for fn in known)
+        print(f"make invoke: unknown function {name!r}; known: {', '.join(names)}",
               file=sys.stderr)
         return 2
     try:
@@ -104,9 +107,11 @@ def main(argv: list[str]) -> int:
         if "EMULATOR_URL" in started:
             event = retarget_event(event, DOCUMENTED_EMULATOR_URL, started["EMULATOR_URL"])
         os.environ.update(local_environment(spec, os.environ))
-        module = importlib.import_module(spec.code_dir.strip("/").replace("/", ".") + ".app")
-        result = module.handler(event, FakeContext(timeout_s=float(spec.timeout),
-                                                   function_name=spec.logical_id))
+        module_name, _, attribute = spec.handler.rpartition(".")
+        module = importlib.import_module(spec.code_dir.strip("/").replace("/", ".") + "."
+                                         + module_name)
+        result = getattr(module, attribute)(event, FakeContext(
+            timeout_s=float(spec.timeout), function_name=spec.logical_id))
     body = result.get("body")
     if isinstance(body, str):
         with contextlib.suppress(ValueError):

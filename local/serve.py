@@ -37,6 +37,8 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from .stack import DATA_ENV
+
 #: Variables read per request under ``make serve``, so each function may set its own.
 PER_REQUEST_VARIABLES = frozenset({
     "ATTO_ENV", "ATTO_BUDGET", "ATTO_MAX_BODY_BYTES", "ATTO_DEADLINE_MARGIN_S",
@@ -191,8 +193,10 @@ class Dispatcher:
             merged: dict[str, Any] = {"openapi": "3.1.0", "info": {
                 "title": "Atto Cloud (local)", "version": "1.0.0",
                 "description": "Every function's routes as make serve mounts them. Locally the "
-                               "X-Atto-User header names the user; in AWS the JWT authorizer "
-                               "does (and IAM on /admin/v1/)."}, "paths": {}}
+                               "X-Atto-User header names the user (Authorize: AttoUser, and "
+                               "AttoPlan to choose a plan); in AWS the JWT authorizer does "
+                               "(and IAM on /admin/v1/, served unsigned here)."},
+                "paths": {}}
             schemas: dict[str, Any] = {}
             for n, app in enumerate(dict.fromkeys(self.routes.values())):  # each app once
                 document = _without_collisions(app.openapi(), schemas, f"_{n}")
@@ -201,7 +205,10 @@ class Dispatcher:
                         {m: op for m, op in item.items() if (m.upper(), path) in self.routes})
                 schemas.update(document.get("components", {}).get("schemas", {}))
             merged["components"] = {"schemas": dict(sorted(schemas.items()))}
-            self._openapi = merged
+            from .openapi import metered_routes, with_local_security
+
+            self._openapi = with_local_security(
+                merged, metered_routes(dict.fromkeys(self.routes.values())))
         return self._openapi
 
     async def _documentation(self, scope: Scope, receive: Receive, send: Send) -> bool:
@@ -339,6 +346,16 @@ def check_port(host: str, port: int) -> None:
                              "choose another with PORT=...") from None
 
 
+def state_line(data: str | None) -> str:
+    """Where the banner says the state is kept: ``data`` (``ATTO_LOCAL_DATA``, make serve's
+    ``.local``) keeps it across restarts; without it, it is lost when the server stops."""
+    what = "State (budgets, grants, usage records, the audit log)"
+    if data:
+        return (f"{what} is kept in {data} across restarts; `make reset-local` forgets "
+                "it.")
+    return f"{what} is in memory: it goes when this stops (ATTO_LOCAL_DATA is unset)."
+
+
 def main() -> int:
     import uvicorn
 
@@ -363,8 +380,9 @@ def main() -> int:
                 print(f"  {name}={started[name]} (started for this session)")
         for fn in functions():
             print(f"  {fn.method:5} {url}{fn.path}")
-        print(f"  API docs: {url}/docs (OpenAPI: {url}/openapi.json)")
-        print("  State (budgets, grants, audit) is in memory: it goes when this stops.")
+        print(f"  API docs: {url}/docs (Swagger UI, loaded from a CDN; OpenAPI: "
+              f"{url}/openapi.json)")
+        print("  " + state_line(os.environ.get(DATA_ENV)))
         print("Try:\n"
               f"  curl -i -X POST {url}/v1/structured -H 'X-Atto-User: alice' "
               "-H 'Content-Type: application/json' \\\n"

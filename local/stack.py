@@ -60,11 +60,18 @@ KEEP_REDIS = ["--appendonly", "yes", "--appendfsync", "everysec"]
 
 
 def _emulator_port(env: dict[str, str]) -> int:
-    """``EMULATOR_PORT`` (default 8100) when free, else any free port (0)."""
+    """``EMULATOR_PORT`` (default 8100) when free, else any free port (0).
+
+    Probed with ``SO_REUSEADDR``, as the emulator binds it: connections of a server that
+    just stopped linger in TIME_WAIT for a minute, and without it a quick restart of ``make
+    serve`` would find 8100 "in use" and move the emulator (the documented job-page URLs
+    then fail). A port another process listens on is still refused.
+    """
     import socket
 
     port = int(env.get("EMULATOR_PORT") or EMULATOR_PORT)
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

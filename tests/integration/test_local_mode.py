@@ -16,7 +16,7 @@ import pytest
 
 from local.lambda_events import http_event, invoke
 from local.redis_servers import RedisServer, free_port
-from local.template import functions
+from local.template import every_function, functions
 from tests import serving
 
 if TYPE_CHECKING:
@@ -70,8 +70,35 @@ def test_invoke_with_a_misspelt_function_lists_each_function_once() -> None:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "'structurd'" in lines[0], out.stderr
     known = lines[0].split("known: ", 1)[1].split(", ")
-    assert known == sorted(set(known)) and "admin" in known and "structured" in known
-    assert len(known) == len({fn.code_dir for fn in functions()})
+    assert known == sorted(set(known)) and {"admin", "auditor", "structured"} <= set(known)
+    assert known == sorted(fn.name for fn in every_function())
+
+
+@pytest.mark.slow
+def test_make_invoke_runs_the_scheduled_auditor() -> None:
+    """`make invoke FN=auditor` (no route; its EVENT defaults to
+    events/auditor_schedule.json) runs one audit on the local stack and prints its report."""
+    out = subprocess.run(["make", "-s", "invoke", "FN=auditor"], cwd=ROOT,
+                         env=serving.fresh_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["balanced"] is True and report["users_not_audited"] == 0
+    assert report["grants_expired_swept"] == 0
+
+
+def test_invoke_audits_a_named_user_in_the_local_tables(tmp_path: Path) -> None:
+    """The auditor, invoked with an event naming a user, reads that user's grants and
+    usage records from the local DynamoDB tables and its windows from the local Redis it
+    started: the user is audited (not left unaudited for a missing backend), a user never
+    seen."""
+    event = tmp_path / "audit_alice.json"
+    event.write_text(json.dumps({"users": ["alice"]}))
+    out = serving.invoke("auditor", event)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert (report["users_audited"], report["users_not_audited"]) == (1, 0)
+    assert report["balanced"] is True
+    assert "the ledger holds nothing of the user" in " ".join(report["notes"]["alice"])
 
 
 def test_invoke_with_an_event_that_is_not_json_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -167,21 +167,29 @@ def test_serve_starts_its_own_redis_and_emulator_and_stops_them() -> None:
 
 
 def test_serve_keeps_budgets_grants_and_audit_across_restarts(tmp_path: Path) -> None:
-    """With ATTO_LOCAL_DATA (make serve's .local), a charge, a grant and its audit entry
-    made before Ctrl-C are there after a restart on the same directory; another directory
-    starts empty."""
+    """With ATTO_LOCAL_DATA (make serve's .local), the banner says the state is kept there,
+    and a charge, a grant and its audit entry made before Ctrl-C are there after a quick
+    restart on the same directory, with the emulator on the same port although connections
+    to it linger (TIME_WAIT); another directory starts empty."""
     from tests.serving import serve
 
     data = tmp_path / "local"
     headers = {"X-Atto-User": "keeper", "X-Atto-Plan": "free"}
-    with serve({"ATTO_LOCAL_DATA": str(data)}) as first:
+    emulator_url = f"http://127.0.0.1:{free_port()}"
+    env = {"ATTO_LOCAL_DATA": str(data), "EMULATOR_PORT": emulator_url.rsplit(":", 1)[1]}
+    with httpx.Client() as kept, serve(env) as first:
+        assert first.emulator_url == emulator_url
+        assert f"is kept in {data} across restarts" in first.log.read_text()
+        # open when the server stops: the emulator closes it, leaving it in TIME_WAIT
+        assert kept.get(first.emulator_url + "/_emulator/health").status_code == 200
         assert httpx.post(first.url + "/admin/v1/users/keeper/grants", timeout=30, json={
             "tokens": 50, "kind": "paid", "reference": "inv_keep",
             "reason": "kept"}).status_code == 201
         assert httpx.post(first.url + "/v1/embeddings", json={"input": ["x"]},
                           headers=headers, timeout=30).status_code == 200
     assert (data / "dynamodb.json").is_file() and (data / "redis").is_dir()
-    with serve({"ATTO_LOCAL_DATA": str(data)}) as second:
+    with serve(env) as second:
+        assert second.emulator_url == emulator_url
         usage = httpx.get(second.url + "/v1/usage", headers=headers, timeout=30).json()
         assert [w["used"] for w in usage["windows"]] == [1, 1]
         assert [g["reference"] for g in usage["grants"]] == ["inv_keep"]

@@ -27,19 +27,19 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from .client import AdminClient, AdminError, is_local, local_serve_url, stack_url
+from .client import LOCAL_PROBE_S, AdminClient, AdminError, is_local, local_serve_url, stack_url
 from .output import error_lines, render, statement_csv
 
 URL_ENV = "ATTO_ADMIN_URL"
 STACK_ENV = "ATTO_STACK"
-DEFAULT_STACK = "atto-cloud-dev"
 
 DESCRIPTION = "The Atto Cloud operator CLI: one command per route of the operator API."
 EPILOG = f"""where it connects:
   --url, else the AdminApiUrl output of the stack --stack (a flag beats the
   environment), else ${URL_ENV}, else the stack ${STACK_ENV}. With none of them set,
-  a make serve answering on 127.0.0.1:$PORT (PORT default 8000), else the stack
-  {DEFAULT_STACK}. A loopback URL is never signed.
+  the make serve answering on 127.0.0.1:$PORT (PORT default 8000), waited for up to
+  {LOCAL_PROBE_S:g} s; with no make serve there, it fails, naming the URL and PORT: a stack
+  is used only when named. A loopback URL is never signed.
   The options above go before or after the command. Every change prints where it
   goes on stderr; a change to a stack whose name contains "prod" asks first (--yes:
   do not ask; with no terminal to ask on, it is refused without --yes).
@@ -65,8 +65,8 @@ def _global_options() -> argparse.ArgumentParser:
     """The options every command accepts, before or after its name."""
     p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
     p.add_argument("--url", help=f"the API's base URL (default ${URL_ENV}, else the stack's)")
-    p.add_argument("--stack", help=f"the deployed stack (default ${STACK_ENV} or "
-                                   f"{DEFAULT_STACK})")
+    p.add_argument("--stack", help=f"the deployed stack (default ${STACK_ENV}; unset, "
+                                   "the make serve on $PORT)")
     p.add_argument("--region", help="AWS region (default: from the URL or your AWS config)")
     p.add_argument("--profile", help="AWS profile of the operator's credentials")
     sign = p.add_mutually_exclusive_group()
@@ -221,10 +221,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def resolve_target(args: argparse.Namespace) -> tuple[str, str | None]:
     """The operator API's URL and the stack it belongs to (None: a URL given as such):
     ``--url``, ``--stack`` (a flag beats the environment), ``ATTO_ADMIN_URL``,
-    ``ATTO_STACK``, a running ``make serve`` (a note on stderr), else the default stack.
+    ``ATTO_STACK``, else the ``make serve`` on ``$PORT`` (a note on stderr). A stack is
+    used only when one of these names it: a change must never reach a stack nobody named.
 
     Raises:
-        AdminError: the stack's output cannot be read (the message says which flag to pass).
+        AdminError: the stack's output cannot be read, or nothing is named and no ``make
+            serve`` answers (the message names the URL and ``PORT`` it tried).
     """
     if args.url:
         return str(args.url), None
@@ -237,18 +239,9 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, str | None]:
     if stack:
         return stack_url(stack, region=args.region, profile=args.profile), stack
     local = local_serve_url()
-    if local is not None:
-        print(f"atto-admin: using make serve at {local} (pass --stack NAME for a deployed "
-              "stack)", file=sys.stderr)
-        return local, None
-    try:
-        return stack_url(DEFAULT_STACK, region=args.region, profile=args.profile), \
-            DEFAULT_STACK
-    except AdminError as exc:
-        exc.message += ("; no make serve answers on 127.0.0.1 either: start `make serve`, "
-                        "or pass --url URL, or --stack NAME (and --profile) for a deployed "
-                        "stack")
-        raise
+    print(f"atto-admin: using make serve at {local} (pass --stack NAME for a deployed "
+          "stack)", file=sys.stderr)
+    return local, None
 
 
 def resolve_url(args: argparse.Namespace) -> str:

@@ -9,6 +9,12 @@ from typing import Any
 #: The columns of ``statement --csv``, one row per usage record.
 CSV_COLUMNS = ("request_id", "at", "route", "plan", "state", "cost", "kept", "refunded",
                "credit", "changed_at")
+#: First characters that make a spreadsheet read a cell as a formula, as OWASP's "CSV
+#: Injection" lists them (=, +, -, @, tab, carriage return); such a cell is written with a
+#: ``'`` before it, which spreadsheets show as text and hide. A cell that already begins with
+#: ``'`` gets one too, so ``csv_cell`` is undone exactly by dropping one leading ``'``
+#: (``csv_value``): a user's Idempotency-Key ``'=1`` comes back as itself, not ``=1``.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r", "'")
 
 
 def _grant_line(g: dict[str, Any]) -> str:
@@ -104,15 +110,31 @@ def _statement(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def csv_cell(value: Any) -> str:
+    """``value`` as a CSV cell no spreadsheet evaluates (``FORMULA_STARTS``)."""
+    text = "" if value is None else str(value)
+    return "'" + text if text.startswith(FORMULA_STARTS) else text
+
+
+def csv_value(cell: str) -> str:
+    """The value ``csv_cell`` wrote as ``cell`` (its inverse)."""
+    return cell[1:] if cell.startswith("'") else cell
+
+
 def statement_csv(s: dict[str, Any]) -> str:
-    """A statement as CSV: a header, then one row per record (``CSV_COLUMNS``)."""
+    """A statement as CSV: a header, then one row per record (``CSV_COLUMNS``).
+
+    Every cell is quoted (a separator or line break inside one cannot start a new cell) and
+    escaped with ``csv_cell`` (a user's Idempotency-Key is the request id: it may read
+    ``=HYPERLINK(...)``), as OWASP's "CSV Injection" recommends.
+    """
     out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
+    writer = csv.writer(out, lineterminator="\n", quoting=csv.QUOTE_ALL)
     writer.writerow(CSV_COLUMNS)
     for r in s["records"]:
-        writer.writerow([r["request_id"], r["at"], r["route"], r["plan"], r["state"],
-                         r["cost"], r["kept"], r["refunded"], _credit(r),
-                         r.get("changed_at") or ""])
+        writer.writerow([csv_cell(v) for v in (
+            r["request_id"], r["at"], r["route"], r["plan"], r["state"], r["cost"],
+            r["kept"], r["refunded"], _credit(r), r.get("changed_at") or "")])
     return out.getvalue().rstrip("\n")
 
 

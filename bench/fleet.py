@@ -156,6 +156,7 @@ def function_env(redis: FleetRedis, emu: EmulatorProcess,
 def credit_env(dynamo: Any, args: argparse.Namespace) -> dict[str, str]:
     """What the functions need to read entitlements from the run's DynamoDB."""
     return {"ATTO_ENTITLEMENTS_TABLE": TABLE, "ATTO_USAGE_TABLE": dynamo.usage_table,
+            "ATTO_IDEMPOTENCY_TABLE": dynamo.idempotency_table,
             "ATTO_DYNAMODB_ENDPOINT": dynamo.url,
             "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
             "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",

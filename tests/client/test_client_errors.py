@@ -138,3 +138,22 @@ def test_usage_keeps_ended_grants_and_support_refunds() -> None:
     older = Usage.from_json({k: v for k, v in body.items()
                              if k not in ("ended_grants", "refunded")})
     assert older.ended_grants == () and older.refunded == ()
+
+
+def test_the_budget_bar_shows_quota_and_credit_apart() -> None:
+    """docs/client.md's budget bar, for a quota of 1000 with 972 left and 484 of credit,
+    prints ``972/1000 + 484 credit`` (the quota's ``r`` counts the credit: 1456)."""
+    from atto_cloud_client import RateLimitStatus
+
+    status = RateLimitStatus.from_headers(httpx.Headers({
+        "ratelimit-policy": '"1h";q=100;w=3600;atto-qu="tokens", '
+                            '"30d";q=1000;w=2592000;atto-qu="tokens"',
+        "ratelimit": '"1h";r=92;t=3512, "30d";r=1456;t=2591912;atto-credit=484'}))
+    assert status is not None
+    lines = []
+    for w in status.windows:  # the example's loop, as docs/client.md shows it
+        bar = "#" * round(20 * (w.fraction_left or 0))
+        credit = f" + {w.credit} credit" if w.credit else ""
+        lines.append(f"{w.name:>4} [{bar:<20}] {w.quota_remaining}/{w.limit}{credit}")
+    assert lines == ["  1h [##################  ] 92/100",
+                     " 30d [################### ] 972/1000 + 484 credit"]

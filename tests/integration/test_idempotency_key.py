@@ -182,6 +182,7 @@ def test_an_answer_too_large_to_keep_is_never_served_again(
     from usage_limits.web import idempotency as idem
 
     monkeypatch.setattr(idem, "MAX_STORED_BYTES", 16)
+    monkeypatch.setattr(idem, "MAX_PARTS", 1)
     user, key = uuid.uuid4().hex, uuid.uuid4().hex
     assert ask(user, key).status == 200
     flushall(redis_server)
@@ -205,6 +206,23 @@ def test_a_large_answer_is_stored_compressed_and_replayed(env: EmulatorProcess) 
                                                          b"application/json")], body))
     replay = loop.run_until_complete(idem.begin(record, 10_000))
     assert replay is not None and replay.body == body and replay.status == 200
+
+
+def test_an_answer_in_parts_is_replayed_after_flushall(
+        env: EmulatorProcess, redis_server: RedisServer, dynamo: DynamoServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer larger than an item compressed is stored in parts beside its record and
+    replayed whole after a FLUSHALL: one charge, one provider call."""
+    from usage_limits.web import idempotency as idem
+
+    monkeypatch.setattr(idem, "MAX_STORED_BYTES", 64)
+    user, key, before = uuid.uuid4().hex, uuid.uuid4().hex, len(items(dynamo))
+    first = ask(user, key)
+    assert first.status == 200 and len(items(dynamo)) > before + 2  # the record and parts
+    flushall(redis_server)
+    again = ask(user, key)
+    assert again.headers["idempotent-replayed"] == "true" and again.body == first.body
+    assert used(user) == 0 and arrivals(env) == 1
 
 
 # --- faults: DynamoDB unreachable ------------------------------------------------------------

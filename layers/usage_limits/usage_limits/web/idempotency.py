@@ -16,9 +16,13 @@ served key again. For a request carrying ``Idempotency-Key`` from an identified 
   (``ReturnValuesOnConditionCheckFailure``);
 - a repeat while the first is in flight: 409 ``idempotency_conflict`` (retry);
 - the same key with another method, path, query or body: 422 ``idempotency_key_reused``;
-- an answer too large to store (``MAX_STORED_BYTES`` after compression) is recorded as
-  served without its body: a repeat gets 422 ``idempotency_answer_gone`` (served and
-  charged once), never a second run.
+- a large answer (above ``MAX_STORED_BYTES``, DynamoDB's item limit being 400 KB) is
+  stored compressed, in up to ``MAX_PARTS`` items of its own beside the record when
+  compressed it is still larger (64 embeddings of 3,072 dimensions: about 4 MB of JSON,
+  7 parts); a replay then reads them too (one GetItem each). An answer larger still (the
+  Lambda response limit, 6 MB, comes first) is recorded as served without its body: a
+  repeat gets 422 ``idempotency_answer_gone`` (served and charged once), never a second
+  run.
 
 Why its own table, not the entitlements table under the user's partition: the metered
 functions then need PutItem and DeleteItem only on stored answers, never on the table that
@@ -54,10 +58,15 @@ DEFAULT_TTL_S = 3600
 KEY_PREFIX = "atto"
 REPLAY_HEADER = "idempotent-replayed"
 _STORED_HEADERS = {"content-type"}
-#: The largest stored answer body (DynamoDB's item limit is 400 KB, key and attributes
-#: included); a larger body is stored compressed, and when even that is larger, the record
-#: says "served" without it.
+#: The largest answer body stored in one item (DynamoDB's item limit is 400 KB, key and
+#: attributes included); a larger body is stored compressed, in parts of this size when
+#: even that is larger.
 MAX_STORED_BYTES = 300_000
+#: The most parts of one compressed answer (4.8 MB: Lambda's 6 MB response limit, JSON
+#: numbers compressed); a larger answer is recorded as served without its body.
+MAX_PARTS = 16
+#: A part's item key: the record's key and this suffix with the part's index.
+PART_SUFFIX = "#part"
 #: The client's bounds: a claim or a store waits at most this long per attempt.
 CONNECT_TIMEOUT_S, READ_TIMEOUT_S, MAX_ATTEMPTS = 1.0, 2.0, 2
 
@@ -171,8 +180,15 @@ async def begin(data: dict[str, Any], remaining_ms: int) -> Replay | None:
         raise InFlight()
     stored = record.response_json_as_dict() or {}
     body = stored.get("body")
-    if "zbody" in stored:
-        body = zlib.decompress(base64.b64decode(stored["zbody"])).decode("utf-8", "replace")
+    packed = stored.get("zbody")
+    if "parts" in stored:
+        try:
+            packed = await asyncio.to_thread(_read_parts, record.idempotency_key,
+                                             int(stored["parts"]))
+        except Exception as exc:
+            raise LimiterUnavailable(f"idempotency store unavailable: {exc}") from exc
+    if packed is not None:
+        body = zlib.decompress(base64.b64decode(packed)).decode("utf-8", "replace")
     if body is None:
         raise AnswerGone()
     return Replay(int(stored.get("status", 200)),
@@ -194,20 +210,58 @@ def _claim(data: dict[str, Any], remaining_ms: int) -> Any:
     return layer.get_record(data)
 
 
+def _read_parts(idempotency_key: str, count: int) -> str | None:
+    """The compressed answer stored in ``count`` parts; None when one is gone."""
+    layer = _persistence()
+    parts = []
+    for i in range(count):
+        item = layer.client.get_item(
+            TableName=layer.table_name, ConsistentRead=True,
+            Key={layer.key_attr: {"S": f"{idempotency_key}{PART_SUFFIX}{i}"}}).get("Item")
+        if item is None:
+            return None
+        parts.append(item[layer.data_attr]["S"])
+    return "".join(parts)
+
+
 def stored_result(status: int, headers: list[tuple[bytes, bytes]],
-                  body: bytes) -> dict[str, Any]:
+                  body: bytes) -> tuple[dict[str, Any], list[str]]:
     """What is stored of a successful answer: status, content type and body (compressed
-    when large; left out, and so "gone" on a repeat, when even that is too large)."""
+    when large, and then in parts when still larger; left out, and so "gone" on a repeat,
+    beyond ``MAX_PARTS``).
+
+    Returns:
+        The record's data, and the parts to store beside it (none for a small answer).
+    """
     kept = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
             if k.decode("latin-1").lower() in _STORED_HEADERS]
     result: dict[str, Any] = {"status": status, "headers": kept}
     if len(body) <= MAX_STORED_BYTES:
         result["body"] = body.decode("utf-8", "replace")
-    else:
-        packed = base64.b64encode(zlib.compress(body, 6)).decode("ascii")
-        if len(packed) <= MAX_STORED_BYTES:
-            result["zbody"] = packed
-    return result
+        return result, []
+    packed = base64.b64encode(zlib.compress(body, 6)).decode("ascii")
+    if len(packed) <= MAX_STORED_BYTES:
+        result["zbody"] = packed
+        return result, []
+    parts = [packed[i:i + MAX_STORED_BYTES] for i in range(0, len(packed), MAX_STORED_BYTES)]
+    if len(parts) > MAX_PARTS:
+        return result, []
+    result["parts"] = len(parts)
+    return result, parts
+
+
+def _save(data: dict[str, Any], result: dict[str, Any], parts: list[str]) -> None:
+    """Write an answer's parts (each expiring with the record), then the record."""
+    layer = _persistence()
+    if parts:
+        key = layer._get_hashed_idempotency_key(data)
+        expiry = str(layer._get_expiry_timestamp())
+        for i, part in enumerate(parts):
+            layer.client.put_item(TableName=layer.table_name, Item={
+                layer.key_attr: {"S": f"{key}{PART_SUFFIX}{i}"},
+                layer.expiry_attr: {"N": expiry}, layer.status_attr: {"S": "PART"},
+                layer.data_attr: {"S": part}})
+    layer.save_success(data, result)
 
 
 async def complete(data: dict[str, Any], status: int, headers: list[tuple[bytes, bytes]],
@@ -217,8 +271,8 @@ async def complete(data: dict[str, Any], status: int, headers: list[tuple[bytes,
     Raises:
         Exception: whatever the store raised; the answer must then not be sent.
     """
-    result = stored_result(status, headers, body)
-    await asyncio.to_thread(lambda: _persistence().save_success(data, result))
+    result, parts = stored_result(status, headers, body)
+    await asyncio.to_thread(_save, data, result, parts)
 
 
 async def abandon(data: dict[str, Any]) -> None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 
 import pytest
 from fastapi import Depends
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from mangum import Mangum
 from pydantic import BaseModel
 
@@ -59,6 +59,16 @@ def build_app() -> Any:
     async def returns_502() -> JSONResponse:
         calls.append("returns-502")
         return JSONResponse({"error": {"code": "provider_error", "message": "x"}}, status_code=502)
+
+    @app.post("/streams-then-raises", dependencies=[Depends(require_tokens(cost=5))])
+    async def streams_then_raises() -> StreamingResponse:
+        calls.append("streams-then-raises")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b'{"part": 1'
+            raise RuntimeError("the stream broke")
+
+        return StreamingResponse(chunks(), media_type="application/json")
 
     @app.post("/validated", dependencies=[Depends(require_tokens(cost=5))])
     async def validated(item: Item) -> dict[str, int]:
@@ -277,6 +287,19 @@ def test_idempotency_key_is_scoped_to_the_user(web: Any) -> None:
     assert invoke(web, http_event("POST", "/ok", body={}, user=bob,
                                   headers={"Idempotency-Key": key})).status == 200
     assert used(web, alice) == 5 and used(web, bob) == 5
+
+
+def test_a_keyed_answer_cut_short_is_a_500_refunded_and_the_key_freed(web: Any) -> None:
+    """A keyed success whose body breaks half way is never sent (nor stored): the client
+    gets 500 internal_error, the charge is refunded and the key runs again."""
+    user, key = uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
+    res = invoke(web, http_event("POST", "/streams-then-raises", body={}, user=user,
+                                 headers=key))
+    assert res.status == 500 and res.body["error"]["code"] == "internal_error"
+    assert used(web, user) == 0
+    again = invoke(web, http_event("POST", "/streams-then-raises", body={}, user=user,
+                                   headers=key))
+    assert again.status == 500 and calls == ["streams-then-raises"] * 2
 
 
 def test_failed_request_can_be_retried_with_the_same_key(web: Any) -> None:

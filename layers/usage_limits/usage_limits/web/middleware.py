@@ -229,7 +229,8 @@ class UsageLimitsMiddleware:
                     await self.app(scope, receive, send_with_headers)
         except Exception:
             log.exception("unhandled error")
-            if status == 0:
+            if status == 0 or (keyed_start is not None and not stored):
+                keyed_start = None  # a keyed success cut short was never sent: a 500 instead
                 await error_response(500, "internal_error", "internal error")(
                     scope, receive, send_with_headers)
             status = status or 500

@@ -153,18 +153,21 @@ def function_env(redis: FleetRedis, emu: EmulatorProcess,
     return env
 
 
+def answers_env(dynamo: Any) -> dict[str, str]:
+    """What the functions need to store keyed answers in the run's DynamoDB (every run)."""
+    return {"ATTO_IDEMPOTENCY_TABLE": dynamo.idempotency_table,
+            "ATTO_DYNAMODB_ENDPOINT": dynamo.url,
+            "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
+
+
 def credit_env(dynamo: Any, args: argparse.Namespace) -> dict[str, str]:
     """What the functions need to read entitlements from the run's DynamoDB."""
     return {"ATTO_ENTITLEMENTS_TABLE": TABLE, "ATTO_USAGE_TABLE": dynamo.usage_table,
-            "ATTO_DYNAMODB_ENDPOINT": dynamo.url,
-            "AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local",
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-            **credit.plans_env(args.budget, args.quota)}
+            **answers_env(dynamo), **credit.plans_env(args.budget, args.quota)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import contextlib
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("records-*.jsonl"):
@@ -178,16 +181,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     emu_families = {f: {"rate": r, "latency_ms": 20, "jitter_ms": 40} for f, r in PROVIDERS.items()}
     redis_cm = (ExternalRedis(args.redis_url) if args.redis_url
                 else FleetRedis(cluster=args.cluster))
-    if args.no_credit:
-        dynamo_cm: Any = contextlib.nullcontext()
-    else:
-        from local.dynamodb import DynamoServer
+    from local.dynamodb import DynamoServer
 
-        dynamo_cm = DynamoServer(table=TABLE)
+    # every run has the local DynamoDB: keyed answers are stored there (--no-credit leaves
+    # out the entitlements, not the stored answers)
     with redis_cm as redis, \
             EmulatorProcess(seed=args.seed, failure_rate=FAILURE_RATE,
-                            families=emu_families) as emu, dynamo_cm as dynamo:
+                            families=emu_families) as emu, DynamoServer(table=TABLE) as store:
         env = function_env(redis, emu, args)
+        env.update(answers_env(store))
+        dynamo = None if args.no_credit else store
         operator = None
         if dynamo is not None:
             env.update(credit_env(dynamo, args))

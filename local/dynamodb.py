@@ -33,6 +33,8 @@ from .redis_servers import free_port
 LOCAL_TABLE = "atto-local-entitlements"
 #: The usage records' table in the local stack.
 LOCAL_USAGE_TABLE = "atto-local-usage"
+#: The stored answers' table (``Idempotency-Key``) in the local stack.
+LOCAL_IDEMPOTENCY_TABLE = "atto-local-idempotency"
 #: How DynamoDB refuses a call: fault kind -> (HTTP status, error code).
 REFUSALS = {
     "conflict": (400, "TransactionCanceledException"),  # TransactionConflict on every item
@@ -85,13 +87,14 @@ SAVE_EVERY_S = 5.0
 
 
 class DynamoServer:
-    """moto's DynamoDB server on a private loopback port, with the entitlements table and
-    the usage records' table.
+    """moto's DynamoDB server on a private loopback port, with the entitlements table, the
+    usage records' table and the stored answers' table (``Idempotency-Key``).
 
     Args:
         table, usage_table: the tables' names (the usage table's default: ``atto-local-usage``
-            beside the default table, else ``<table>-usage``).
-        state_file: keep both tables across restarts: their items are read from this JSON
+            beside the default table, else ``<table>-usage``; the stored answers' table
+            follows the same rule: ``atto-local-idempotency``, else ``<table>-idempotency``).
+        state_file: keep the tables across restarts: their items are read from this JSON
             file at start (when it exists) and written back every ``SAVE_EVERY_S`` and at
             stop; None (the default) keeps nothing.
 
@@ -99,6 +102,7 @@ class DynamoServer:
         url: the endpoint, ``http://127.0.0.1:<port>``.
         table: the entitlements table's name.
         usage_table: the usage records' table's name.
+        idempotency_table: the stored answers' table's name.
     """
 
     def __init__(self, table: str = LOCAL_TABLE, usage_table: str | None = None, *,
@@ -108,6 +112,8 @@ class DynamoServer:
         # process see each other's tables, so a server's usage table follows its own name
         self.usage_table = usage_table or (LOCAL_USAGE_TABLE if table == LOCAL_TABLE
                                            else f"{table}-usage")
+        self.idempotency_table = (LOCAL_IDEMPOTENCY_TABLE if table == LOCAL_TABLE
+                                  else f"{table}-idempotency")
         self.state_file = state_file
         self._client: Any = None
         self._stop: Any = None
@@ -167,6 +173,7 @@ class DynamoServer:
         from usage_limits.entitlements.config import StoreSettings
         from usage_limits.entitlements.store import EntitlementStore
         from usage_limits.entitlements.usage_store import UsageSettings, UsageStore
+        from usage_limits.web import idempotency
 
         region = os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         # The local server accepts any credentials; these keep the shell's real ones unused.
@@ -176,6 +183,7 @@ class DynamoServer:
                          client=client).create_table()
         UsageStore(UsageSettings(table=self.usage_table, endpoint_url=self.url, region=region),
                    client=client).create_table()
+        idempotency.create_table(client, self.idempotency_table)
         self._client = client
         if self.state_file:
             self._restore()
@@ -197,12 +205,12 @@ class DynamoServer:
             self._server = None
 
     def save(self) -> None:
-        """Write every item of both tables to ``state_file`` (atomically: a new file, then a
+        """Write every item of the three tables to ``state_file`` (atomically: a new file, then a
         rename), as DynamoDB JSON."""
         if not self.state_file:
             return
         tables: dict[str, list[Any]] = {}
-        for table in (self.table, self.usage_table):
+        for table in (self.table, self.usage_table, self.idempotency_table):
             items = tables[table] = []
             for page in self._client.get_paginator("scan").paginate(TableName=table,
                                                                     ConsistentRead=True):
@@ -220,7 +228,7 @@ class DynamoServer:
         with open(self.state_file, encoding="utf-8") as source:
             tables = json.load(source)["tables"]
         for table, items in tables.items():
-            if table not in (self.table, self.usage_table):
+            if table not in (self.table, self.usage_table, self.idempotency_table):
                 continue
             for start in range(0, len(items), 25):
                 batch = [{"PutRequest": {"Item": item}} for item in items[start:start + 25]]

@@ -107,6 +107,8 @@ def local_stack(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
             started["ATTO_ENTITLEMENTS_TABLE"] = dynamo.table
             if not env.get("ATTO_USAGE_TABLE"):
                 started["ATTO_USAGE_TABLE"] = dynamo.usage_table
+            if not env.get("ATTO_IDEMPOTENCY_TABLE"):
+                started["ATTO_IDEMPOTENCY_TABLE"] = dynamo.idempotency_table
             started["ATTO_DYNAMODB_ENDPOINT"] = dynamo.url
         if not env.get("LLM_BASE_URL"):
             from .emulator import EmulatorProcess

@@ -354,6 +354,55 @@ def _forget_pending_refunds() -> Iterator[None]:
     records.clear()
 
 
+#: The stored answers' table (``Idempotency-Key``) the handlers under test use.
+ANSWERS_TABLE = "test-idempotency"
+
+
+@pytest.fixture(scope="session")
+def answers_dynamo() -> Iterator[str]:
+    """A local DynamoDB (moto's server) for stored answers, for the session: its URL."""
+    from local.dynamodb import DynamoServer
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            mp.setenv(name, os.environ.get(name) or "local")
+        with DynamoServer(table="test-answers") as server:
+            yield server.url
+
+
+def answers_table(monkeypatch: pytest.MonkeyPatch, endpoint: str | None) -> None:
+    """Point the handlers' stored answers at ``ANSWERS_TABLE`` through ``endpoint`` (None:
+    the default endpoint, a test's ``mock_aws``), made there when missing (one moto
+    backend per process: a ``mock_aws`` elsewhere may have dropped it)."""
+    import boto3
+
+    from usage_limits.web import idempotency
+
+    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or \
+        "us-east-1"
+    client = boto3.client("dynamodb", endpoint_url=endpoint, region_name=region,
+                          aws_access_key_id="local", aws_secret_access_key="local")
+    idempotency.create_table(client, ANSWERS_TABLE)
+    monkeypatch.setenv(idempotency.IDEMPOTENCY_TABLE_ENV, ANSWERS_TABLE)
+    if endpoint is not None:
+        monkeypatch.setenv("ATTO_DYNAMODB_ENDPOINT", endpoint)
+    if not (os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")):
+        monkeypatch.setenv("AWS_DEFAULT_REGION", region)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        if not os.environ.get(name) and not os.environ.get("AWS_PROFILE"):
+            monkeypatch.setenv(name, "local")
+
+
+@pytest.fixture
+def stored_answers(monkeypatch: pytest.MonkeyPatch, answers_dynamo: str) -> str:
+    """Handlers made after this store their answers in the session's local DynamoDB."""
+    answers_table(monkeypatch, os.environ.get("ATTO_DYNAMODB_ENDPOINT") or answers_dynamo)
+    from usage_limits.web import idempotency
+
+    idempotency.reset()
+    return ANSWERS_TABLE
+
+
 class StartEnvironment(Protocol):
     """``lambda_env(values, unset=...)``: see the fixture."""
 
@@ -361,21 +410,32 @@ class StartEnvironment(Protocol):
 
 
 @pytest.fixture
-def lambda_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[StartEnvironment]:
+def lambda_env(monkeypatch: pytest.MonkeyPatch,
+               request: pytest.FixtureRequest) -> Iterator[StartEnvironment]:
     """Set a function's environment variables and start it as a fresh Lambda environment.
 
     The test then calls handlers on one event loop, as Mangum does in Lambda; settings,
-    clients and singletons are made again from the variables given here.
+    clients and singletons are made again from the variables given here. Answers are
+    stored (``Idempotency-Key``) in ``ANSWERS_TABLE``, unless ``values`` or ``unset`` name
+    ``ATTO_IDEMPOTENCY_TABLE``: through the ``ATTO_DYNAMODB_ENDPOINT`` the test gives, the
+    default endpoint when it unsets that (its ``mock_aws``), else the session's local
+    DynamoDB (started on first use).
     """
     from local.lambda_events import fresh_environment, lambda_loop
 
     stack = contextlib.ExitStack()
 
     def start(values: Mapping[str, str], *, unset: Iterable[str] = ()) -> None:
+        unset = tuple(unset)
         for name, value in values.items():
             monkeypatch.setenv(name, value)
         for name in unset:
             monkeypatch.delenv(name, raising=False)
+        if "ATTO_IDEMPOTENCY_TABLE" not in (*values, *unset):
+            endpoint = os.environ.get("ATTO_DYNAMODB_ENDPOINT") or None
+            if endpoint is None and "ATTO_DYNAMODB_ENDPOINT" not in unset:
+                endpoint = request.getfixturevalue("answers_dynamo")
+            answers_table(monkeypatch, endpoint)
         fresh_environment()
         stack.enter_context(lambda_loop())
 

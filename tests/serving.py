@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: What the shell may carry that would stop serve/invoke from starting their own stack.
 _STACK_VARIABLES = ("REDIS_URL", "LLM_BASE_URL", "ATTO_ENV", "PORT", "EMULATOR_PORT",
                     "ATTO_ENTITLEMENTS_TABLE", "ATTO_DYNAMODB_ENDPOINT", "ATTO_USAGE_TABLE",
+                    "ATTO_IDEMPOTENCY_TABLE",
                     "ATTO_LOCAL_DATA")
 
 

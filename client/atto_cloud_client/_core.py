@@ -12,6 +12,7 @@ import email.utils
 import inspect
 import json
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -157,6 +158,21 @@ def check_idempotency_key(key: str) -> str:
     return key
 
 
+def key_field(key: str) -> str:
+    """The ``Idempotency-Key`` field of ``key``: an RFC 9651 sf-string, as the IETF draft
+    defines the field (``"..."``, with ``\\`` and ``"`` escaped). The server takes the bare
+    key too, as the same key."""
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def key_of(field: str) -> str:
+    """The key of an ``Idempotency-Key`` field: an sf-string unquoted, a bare key as is."""
+    field = field.strip()
+    if len(field) >= 2 and field[0] == field[-1] == '"':
+        return re.sub(r"\\(.)", r"\1", field[1:-1])
+    return field
+
+
 def drop_none(values: Mapping[str, Any]) -> dict[str, Any]:
     """The mapping without its None values (optional fields the caller did not give)."""
     return {k: v for k, v in values.items() if v is not None}
@@ -262,7 +278,7 @@ class Call(Generic[T]):
         self.attempts += 1
         content = None if self.json_body is None else json.dumps(
             self.json_body, ensure_ascii=False, separators=(",", ":")).encode()
-        all_headers = {**headers, IDEMPOTENCY_HEADER: self.key}
+        all_headers = {**headers, IDEMPOTENCY_HEADER: key_field(self.key)}
         if content is not None:
             all_headers["Content-Type"] = "application/json"
         return http.build_request(self.route.method, base_url + self.route.path,
@@ -289,8 +305,8 @@ class Call(Generic[T]):
         return step
 
     def on_response(self, response: httpx.Response) -> Step[T]:
-        """An answer: parse a success, retry a 503, a 409 "in progress" (it has Retry-After)
-        or one 401 with a new token, else raise."""
+        """An answer: parse a success, retry a 503 (not ``provider_quota_exceeded``), a 409
+        "in progress" (it has Retry-After) or one 401 with a new token, else raise."""
         info = ResponseInfo(
             status=response.status_code, request_id=self.key,
             replayed=response.headers.get(REPLAYED_HEADER, "").lower() == "true",
@@ -325,7 +341,8 @@ class Call(Generic[T]):
         if isinstance(error, ex.ServiceUnavailable) or (
                 isinstance(error, ex.BudgetExceeded) and self.policy.retry_budget_exceeded) or (
                 isinstance(error, ex.IdempotencyConflict) and error.retry_after_s is not None):
-            # a 409 with Retry-After: the key's first request is still in progress
+            # a 409 with Retry-After: the key's first request is still in progress (a reuse
+            # is a 422; a 409 without it, a charge standing for the key, is raised)
             step = self._again(error.retry_after_s)
             if step is not None:
                 return step

@@ -8,11 +8,21 @@
           │    └── CostExceedsPlan   422 cost_exceeds_plan (the cost can never fit the plan)
           ├── Unauthorized           401 unauthorized
           ├── AccountSuspended       403 account_suspended
-          ├── IdempotencyConflict    409 idempotency_conflict
+          ├── IdempotencyConflict    409 idempotency_conflict (the key's request is in flight;
+          │                              retried when it has Retry-After)
+          ├── IdempotencyKeyReused   422 idempotency_key_reused (the key served another request)
+          ├── IdempotencyAnswerGone  422 idempotency_answer_gone (served and charged once; its
+          │                              answer is not kept: too large)
+          ├── SchemaRejected         422 schema_rejected (reason: the provider's)
+          ├── ModelRefused           422 model_refused (refusal: the model's words)
+          ├── ContentFiltered        422 content_filtered
           ├── PayloadTooLarge        413 payload_too_large
           ├── BudgetExceeded         429 budget_exceeded (retry_after_s, limit, remaining, window_s)
           ├── InternalError          500 internal_error
           ├── ProviderError          502 provider_error
+          │    └── OutputTruncated   502 output_truncated (the answer hit the output limit)
+          ├── ProviderQuotaExceeded  503 provider_quota_exceeded (never retried: the operator
+          │                              must pay the provider; provider)
           └── ServiceUnavailable     503, retried by the client until its time is up
                ├── ProviderBusy      503 provider_busy (retry_after_s, provider)
                └── LimiterUnavailable 503 limiter_unavailable
@@ -109,9 +119,59 @@ class AccountSuspended(ApiError):
 
 
 class IdempotencyConflict(ApiError):
-    """409 ``idempotency_conflict``: the key is in flight, or was used for another request."""
+    """409 ``idempotency_conflict``: the key's first request is still in flight; retried
+    after its ``Retry-After`` (the same key, so never charged twice). One without
+    ``Retry-After`` (a charge for the key stands, no stored answer) is raised at once."""
 
     status_code, error_code = 409, "idempotency_conflict"
+
+
+class IdempotencyKeyReused(ApiError):
+    """422 ``idempotency_key_reused``: the key was used for another request (method, path,
+    query or body); not retried: send the new request with a new key."""
+
+    status_code, error_code = 422, "idempotency_key_reused"
+
+
+class IdempotencyAnswerGone(ApiError):
+    """422 ``idempotency_answer_gone``: the key's request was served and charged once, and
+    its answer is not kept (too large); not retried (it would never be served again)."""
+
+    status_code, error_code = 422, "idempotency_answer_gone"
+
+
+class SchemaRejected(ApiError):
+    """422 ``schema_rejected``: the provider refused the JSON Schema; refunded.
+
+    Attributes:
+        reason: the provider's words about the schema, trimmed.
+    """
+
+    status_code, error_code = 422, "schema_rejected"
+
+    @property
+    def reason(self) -> str | None:
+        return _str(self.details.get("reason"))
+
+
+class ModelRefused(ApiError):
+    """422 ``model_refused``: the model declined to answer; refunded.
+
+    Attributes:
+        refusal: the model's own message, trimmed.
+    """
+
+    status_code, error_code = 422, "model_refused"
+
+    @property
+    def refusal(self) -> str | None:
+        return _str(self.details.get("refusal"))
+
+
+class ContentFiltered(ApiError):
+    """422 ``content_filtered``: the provider's content filter stopped the answer; refunded."""
+
+    status_code, error_code = 422, "content_filtered"
 
 
 class PayloadTooLarge(ApiError):
@@ -179,6 +239,28 @@ class ProviderError(ApiError):
     status_code, error_code = 502, "provider_error"
 
 
+class OutputTruncated(ProviderError):
+    """502 ``output_truncated``: the answer reached the model's output limit; refunded."""
+
+    error_code = "output_truncated"
+
+
+class ProviderQuotaExceeded(ApiError):
+    """503 ``provider_quota_exceeded``: Atto Cloud's account at the provider is out of quota
+    or credit; refunded. Not a ``ServiceUnavailable``: retrying soon does not help (the
+    operator must pay the provider), so the client never retries it.
+
+    Attributes:
+        provider: the provider's name.
+    """
+
+    status_code, error_code = 503, "provider_quota_exceeded"
+
+    @property
+    def provider(self) -> str | None:
+        return _str(self.details.get("provider"))
+
+
 class ServiceUnavailable(ApiError):
     """503: the service cannot take the request now; the client retries these."""
 
@@ -192,8 +274,7 @@ class ProviderBusy(ServiceUnavailable):
 
     @property
     def provider(self) -> str | None:
-        value = self.details.get("provider")
-        return value if isinstance(value, str) else None
+        return _str(self.details.get("provider"))
 
 
 class LimiterUnavailable(ServiceUnavailable):
@@ -206,8 +287,9 @@ class LimiterUnavailable(ServiceUnavailable):
 BY_CODE: dict[str, type[ApiError]] = {
     cls.error_code: cls for cls in (
         InvalidRequest, CostExceedsPlan, Unauthorized, AccountSuspended, IdempotencyConflict,
-        PayloadTooLarge, BudgetExceeded, InternalError, ProviderError, ProviderBusy,
-        LimiterUnavailable)
+        IdempotencyKeyReused, IdempotencyAnswerGone, SchemaRejected, ModelRefused,
+        ContentFiltered, PayloadTooLarge, BudgetExceeded, InternalError, ProviderError,
+        OutputTruncated, ProviderQuotaExceeded, ProviderBusy, LimiterUnavailable)
     if cls.error_code
 }
 #: Status -> class, for answers without a known code (API Gateway's own 401 or 413).
@@ -228,3 +310,7 @@ def _int(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return int(value)
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

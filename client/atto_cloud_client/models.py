@@ -74,6 +74,53 @@ class CreditGrant:
 
 
 @dataclass(frozen=True)
+class EndedGrant:
+    """A grant that expired or was voided in the last 30 days (``Usage.ended_grants``).
+
+    Attributes:
+        reference: the grant's reference.
+        kind: ``paid`` or ``promo``.
+        tokens: tokens it gave at first.
+        ended: ``expired`` or ``voided``.
+        ended_at: when it ended, Unix time (None when the server sent no instant).
+        forfeited: tokens unused when it ended: lost, never drawn.
+    """
+
+    reference: str | None
+    kind: str | None
+    tokens: int | None
+    ended: str | None
+    ended_at: float | None
+    forfeited: int | None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> EndedGrant:
+        return cls(reference=_str(obj.get("reference")), kind=_str(obj.get("kind")),
+                   tokens=_int(obj.get("tokens")), ended=_str(obj.get("ended")),
+                   ended_at=_instant(obj.get("ended_at")), forfeited=_int(obj.get("forfeited")))
+
+
+@dataclass(frozen=True)
+class SupportRefund:
+    """A charge support refunded in the last 30 days (``Usage.refunded``).
+
+    Attributes:
+        request_id: the refunded charge's id, as its ``X-Request-Id`` showed it.
+        tokens: tokens given back (None while the refund is in progress).
+        refunded_at: when support refunded it, Unix time.
+    """
+
+    request_id: str
+    tokens: int | None
+    refunded_at: float | None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> SupportRefund:
+        return cls(request_id=str(obj.get("request_id", "")), tokens=_int(obj.get("tokens")),
+                   refunded_at=_instant(obj.get("refunded_at")))
+
+
+@dataclass(frozen=True)
 class CreditBalance:
     """Credit beyond the plan's quota, when the server reports it.
 
@@ -436,6 +483,10 @@ class Usage:
     Attributes:
         plan: the plan's name, when the server reports it.
         credit: the credit balance and grants, when the server reports them.
+        ended_grants: grants that expired or were voided in the last 30 days, most recent
+            first, with what each forfeited.
+        refunded: charges support refunded in the last 30 days, most recent first (they
+            leave ``events``).
     """
 
     user_id: str
@@ -444,6 +495,8 @@ class Usage:
     prices: dict[str, int | str]
     plan: str | None = None
     credit: CreditBalance | None = None
+    ended_grants: tuple[EndedGrant, ...] = ()
+    refunded: tuple[SupportRefund, ...] = ()
     info: ResponseInfo | None = field(default=None, compare=False, repr=False)
 
     def charged(self, request_id: str) -> int:
@@ -464,7 +517,10 @@ class Usage:
             prices={str(k): v if isinstance(v, int) else str(v)
                     for k, v in obj["prices"].items()},
             plan=plan if isinstance(plan, str) else None,
-            credit=CreditBalance.from_json(obj), info=info)
+            credit=CreditBalance.from_json(obj),
+            ended_grants=tuple(EndedGrant.from_json(g) for g in _objects(obj.get("ended_grants"))),
+            refunded=tuple(SupportRefund.from_json(r) for r in _objects(obj.get("refunded"))),
+            info=info)
 
 
 @dataclass(frozen=True)
@@ -581,3 +637,8 @@ def _instant(value: Any) -> float | None:
 
 def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _objects(value: Any) -> list[Mapping[str, Any]]:
+    """The objects of a list in a body (anything else in it, or no list: none)."""
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []

@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from ._core import key_of
+
 #: Tokens per route, as the server's price list.
 PRICES: dict[str, int] = {
     "POST /v1/embeddings": 1,
@@ -139,12 +141,13 @@ class MockApi:
             return answer(request) if callable(answer) else answer
         if route not in PRICES and route not in FREE_ROUTES:
             return error(404, "not_found", f"no route for {route}")
-        key = request.headers.get("idempotency-key")
+        field = request.headers.get("idempotency-key")
+        key = None if field is None else key_of(field)
         fingerprint = request.url.query + request.content
         if key is not None and key in self._stored:
             stored_route, stored_print, stored = self._stored[key]
             if (stored_route, stored_print) != (route, fingerprint):
-                return error(409, "idempotency_conflict",
+                return error(422, "idempotency_key_reused",
                              "the Idempotency-Key was used for another request")
             return httpx.Response(stored.status_code, content=stored.content,
                                   headers={**stored.headers, "Idempotent-Replayed": "true"})

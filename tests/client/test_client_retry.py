@@ -30,6 +30,7 @@ from atto_cloud_client import (
     Unauthorized,
 )
 from atto_cloud_client import exceptions as ex
+from atto_cloud_client._core import key_of
 from atto_cloud_client.testing import MockApi, error
 
 STRUCTURED = "POST /v1/structured"
@@ -56,7 +57,9 @@ def client(api: MockApi, time: FakeTime, **kwargs: object) -> AttoClient:
 
 
 def keys(api: MockApi) -> list[str | None]:
-    return [r.headers.get("idempotency-key") for r in api.requests]
+    """The key each request carried, unquoted (the client sends the draft's sf-string)."""
+    return [None if (f := r.headers.get("idempotency-key")) is None else key_of(f)
+            for r in api.requests]
 
 
 # --- Retry-After and the total time ----------------------------------------------------------
@@ -128,26 +131,43 @@ def test_a_read_timeout_is_retried_and_then_succeeds() -> None:
     (400, "invalid_request", InvalidRequest),
     (401, "unauthorized", Unauthorized),
     (403, "account_suspended", AccountSuspended),
-    (409, "idempotency_conflict", IdempotencyConflict),
     (413, "payload_too_large", PayloadTooLarge),
     (422, "invalid_request", InvalidRequest),
     (422, "cost_exceeds_plan", CostExceedsPlan),
+    (422, "idempotency_key_reused", ex.IdempotencyKeyReused),
+    (422, "idempotency_answer_gone", ex.IdempotencyAnswerGone),
+    (422, "schema_rejected", ex.SchemaRejected),
+    (422, "model_refused", ex.ModelRefused),
+    (422, "content_filtered", ex.ContentFiltered),
     (429, "budget_exceeded", BudgetExceeded),
     (500, "internal_error", InternalError),
     (502, "provider_error", ProviderError),
+    (502, "output_truncated", ex.OutputTruncated),
+    (503, "provider_quota_exceeded", ex.ProviderQuotaExceeded),
 ])
 def test_other_errors_are_raised_typed_after_one_attempt(status: int, code: str,
                                                          cls: type[ApiError]) -> None:
-    """Every error code but the 503s raises its own class after one attempt, no wait (a
-    409 without Retry-After: the key was used for another request, or charged already)."""
+    """Every error code but the retried ones (409 in flight, the other 503s) raises its own
+    class after one attempt, no wait, even with a Retry-After (a provider out of quota)."""
     api, time = MockApi(), FakeTime()
-    retry_after = None if status == 409 else 5
-    api.queue(STRUCTURED, error(status, code, "no", retry_after_s=retry_after, limit=100))
+    api.queue(STRUCTURED, error(status, code, "no", retry_after_s=5, limit=100))
     with pytest.raises(cls) as raised:
         client(api, time).structured("x", {})
     assert type(raised.value) is cls and raised.value.code == code
     assert raised.value.status == status and raised.value.message == "no"
     assert len(api.requests) == 1 and time.slept == []
+
+
+def test_a_reused_key_is_not_retried_but_a_key_in_flight_is() -> None:
+    """422 idempotency_key_reused (the key served another request) is raised at once as its
+    own class; 409 idempotency_conflict (in flight) is another class, and retried."""
+    api, time = MockApi(), FakeTime()
+    atto = client(api, time, rand=lambda: 0.0)
+    atto.structured("x", {"type": "object"}, idempotency_key="k-1")
+    with pytest.raises(ex.IdempotencyKeyReused) as raised:
+        atto.structured("another prompt", {"type": "object"}, idempotency_key="k-1")
+    assert raised.value.status == 422 and not isinstance(raised.value, IdempotencyConflict)
+    assert len(api.requests) == 2 and time.slept == [] and api.charged == 8
 
 
 def test_a_409_in_progress_is_retried_after_its_retry_after_with_the_same_key() -> None:
@@ -207,7 +227,8 @@ def test_a_success_of_the_wrong_shape_is_an_error_not_a_crash() -> None:
 
 
 def test_every_call_has_its_own_key_and_the_callers_key_is_kept() -> None:
-    """Two calls send two different keys; a caller's key is sent as given and replays."""
+    """Two calls send two different keys; a caller's key is sent as given (as the IETF
+    draft's sf-string, escaped) and replays."""
     api, time = MockApi(), FakeTime()
     atto = client(api, time)
     atto.embeddings(["a"])
@@ -216,7 +237,11 @@ def test_every_call_has_its_own_key_and_the_callers_key_is_kept() -> None:
     again = atto.embeddings(["a"], idempotency_key="mine-1")
     sent = keys(api)
     assert sent[0] != sent[1] and sent[2:] == ["mine-1", "mine-1"]
-    assert mine.info.replayed is False and again.info.replayed is True and api.charged == 3
+    assert api.requests[2].headers["idempotency-key"] == '"mine-1"'
+    quoted = atto.embeddings(["a"], idempotency_key='say "hi" \\ bye')
+    assert api.requests[-1].headers["idempotency-key"] == '"say \\"hi\\" \\\\ bye"'
+    assert quoted.info.request_id == 'say "hi" \\ bye'
+    assert mine.info.replayed is False and again.info.replayed is True and api.charged == 4
 
 
 @pytest.mark.parametrize("key", ["", "x" * 129, "caf\u00e9", "tab\there"])
@@ -377,15 +402,6 @@ def test_exceptions_module_opens_with_the_whole_hierarchy() -> None:
     for cls in classes:
         if cls is not ex.AttoError:
             assert depth[cls.__base__.__name__] < depth[cls.__name__], cls.__name__
-
-
-def test_every_public_error_code_has_a_class() -> None:
-    """Each code of the contract (and the two coming ones) maps to its own class."""
-    codes = {"budget_exceeded", "provider_busy", "limiter_unavailable", "provider_error",
-             "unauthorized", "invalid_request", "payload_too_large", "idempotency_conflict",
-             "internal_error", "account_suspended", "cost_exceeds_plan"}
-    assert set(ex.BY_CODE) == codes
-    assert len(set(ex.BY_CODE.values())) == len(codes)
 
 
 def test_exports_are_importable() -> None:

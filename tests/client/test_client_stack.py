@@ -8,6 +8,7 @@ import json
 import time
 from typing import Any
 
+import httpx
 import pytest
 from atto_cloud_client import (
     NO_RETRY,
@@ -17,6 +18,7 @@ from atto_cloud_client import (
     CompanyResearch,
     EmbeddingsResult,
     IdempotencyConflict,
+    IdempotencyKeyReused,
     InvalidRequest,
     JobListing,
     MarketContext,
@@ -28,6 +30,7 @@ from atto_cloud_client import (
     Usage,
     UsageHistory,
 )
+from atto_cloud_client._core import key_of
 
 from local.emulator import EmulatorProcess
 from tests.client.conftest import Served
@@ -205,19 +208,38 @@ def test_payload_too_large_is_typed(served: Served, user: str) -> None:
     assert usage_of(served, user).windows[0].used == 0
 
 
-def test_idempotency_key_reused_for_another_request_is_a_conflict(served: Served,
-                                                                 user: str) -> None:
+def test_idempotency_key_reused_for_another_request_is_its_own_error(served: Served,
+                                                                    user: str) -> None:
     """The caller's own key replays its first answer; used for another body it raises
-    IdempotencyConflict; either way the user is charged once."""
+    IdempotencyKeyReused (422, not retried, not an IdempotencyConflict); either way the
+    user is charged once."""
     with AttoClient(served.url, user=user) as atto:
         first = atto.embeddings(["hello"], idempotency_key="app-key-1")
         again = atto.embeddings(["hello"], idempotency_key="app-key-1")
-        with pytest.raises(IdempotencyConflict) as raised:
+        with pytest.raises(IdempotencyKeyReused) as raised:
             atto.embeddings(["another text"], idempotency_key="app-key-1")
     assert again == first and again.info.replayed is True
-    assert raised.value.status == 409 and raised.value.request_id == "app-key-1"
+    assert raised.value.status == 422 and raised.value.request_id == "app-key-1"
+    assert raised.value.attempts == 1 and not isinstance(raised.value, IdempotencyConflict)
     ledger = usage_of(served, user)
     assert ledger.charged("app-key-1") == 1 and len(ledger.events) == 1
+
+
+def test_the_clients_quoted_key_and_a_bare_one_are_one_key(served: Served,
+                                                          user: str) -> None:
+    """The client sends the IETF draft's form (an sf-string); a caller sending the same key
+    bare (as curl in the README) gets the client's answer replayed: charged once, and the
+    request id shown is the key unquoted."""
+    with AttoClient(served.url, user=user) as atto:
+        first = atto.embeddings(["hello"], idempotency_key="app-key-2")
+    body = json.dumps({"input": ["hello"]}, separators=(",", ":")).encode()
+    bare = httpx.post(served.url + "/v1/embeddings", content=body,
+                      headers={"Idempotency-Key": "app-key-2", "X-Atto-User": user,
+                               "Content-Type": "application/json"})
+    assert bare.status_code == 200 and bare.headers["idempotent-replayed"] == "true"
+    assert bare.headers["x-request-id"] == first.info.request_id == "app-key-2"
+    assert bare.json()["data"][0]["embedding"] == list(first.vectors[0])
+    assert usage_of(served, user).charged("app-key-2") == 1
 
 
 def test_unauthorized_refreshes_the_token_once_then_raises(served: Served) -> None:
@@ -248,8 +270,8 @@ def test_dropped_answer_is_retried_with_the_same_key_and_charged_once(
         result = atto.structured("Summarise: senior Python engineer, Berlin", SCHEMA)
     first, second = proxy.exchanges
     assert first.dropped and not second.dropped
-    key = first.header("Idempotency-Key")
-    assert key and second.header("Idempotency-Key") == key == result.info.request_id
+    key, again = (key_of(x.header("Idempotency-Key") or "") for x in (first, second))
+    assert key and again == key == result.info.request_id
     assert first.request_body == second.request_body
     assert result.info.attempts == 2 and result.info.replayed is True and len(slept) == 1
     assert json.loads(first.response_body)["data"] == result.data  # the same answer
@@ -274,7 +296,7 @@ def test_async_client_retries_a_dropped_answer_once_charged(served: Served,
     with DroppingProxy((host, int(port)), drop=1) as proxy:
         result = asyncio.run(run())
     assert result.info.attempts == 2 and result.info.replayed and len(slept) == 1
-    assert proxy.exchanges[0].header("Idempotency-Key") == result.info.request_id
+    assert key_of(proxy.exchanges[0].header("Idempotency-Key") or "") == result.info.request_id
     assert usage_of(served, user).charged(result.info.request_id) == 2
 
 

@@ -179,7 +179,7 @@ class Rig:
 
 @pytest.fixture
 def rig(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
-        fault_proxy: FaultProxy) -> Iterator[Rig]:
+        fault_proxy: FaultProxy, stored_answers: str) -> Iterator[Rig]:
     """The two environments, as production configures their clients (one retry)."""
     monkeypatch.setenv("REDIS_URL", redis_server.url)
     monkeypatch.setenv("ATTO_BUDGET", "20/1h")

@@ -185,12 +185,13 @@ def test_repeat_with_the_same_key_is_charged_once(handler: Any, env: EmulatorPro
     assert used(user) == COST
 
 
-def test_same_key_for_another_company_is_409(handler: Any, env: EmulatorProcess) -> None:
-    """Reusing a key for a different company is an idempotency_conflict, charged nothing more."""
+def test_same_key_for_another_company_is_422(handler: Any, env: EmulatorProcess) -> None:
+    """Reusing a key for a different company is 422 idempotency_key_reused, charged nothing
+    more."""
     user, key = user_id(), str(uuid.uuid4())
     assert post(handler, {"company": "Oakridge Retail"}, user=user,
                 headers={"Idempotency-Key": key}).status == 200
     res = post(handler, {"company": "Pinecrest Labs"}, user=user,
                headers={"Idempotency-Key": key})
-    assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
+    assert res.status == 422 and res.body["error"]["code"] == "idempotency_key_reused"
     assert arrivals(env, "search") == 1 and used(user) == COST

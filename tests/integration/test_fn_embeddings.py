@@ -183,7 +183,7 @@ def test_idempotent_repeat_replays_and_is_charged_once(env: EmulatorProcess) -> 
     assert arrivals(env) == 1
     assert used(user) == COST
     other = embed(user, {"input": ["something else"]}, {"Idempotency-Key": key})
-    assert other.status == 409 and other.body["error"]["code"] == "idempotency_conflict"
+    assert other.status == 422 and other.body["error"]["code"] == "idempotency_key_reused"
     assert used(user) == COST
 
 

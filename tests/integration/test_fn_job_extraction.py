@@ -425,14 +425,15 @@ def test_repeat_with_the_same_key_is_charged_once(handler: Any, env: EmulatorPro
     assert used(user) == COST
 
 
-def test_same_key_for_another_request_is_409(handler: Any, env: EmulatorProcess) -> None:
-    """Reusing a key with a different body is an idempotency_conflict, charged nothing more."""
+def test_same_key_for_another_request_is_422(handler: Any, env: EmulatorProcess) -> None:
+    """Reusing a key with a different body is 422 idempotency_key_reused, charged nothing
+    more."""
     user, key = user_id(), str(uuid.uuid4())
     assert post(handler, {"text": "Nurse in Leeds, NHS band 5."}, user=user,
                 headers={"Idempotency-Key": key}).status == 200
     res = post(handler, {"text": "Teacher in York."}, user=user,
                headers={"Idempotency-Key": key})
-    assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
+    assert res.status == 422 and res.body["error"]["code"] == "idempotency_key_reused"
     assert arrivals(env, "llm") == 1 and used(user) == COST
 
 

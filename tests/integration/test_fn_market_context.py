@@ -143,7 +143,7 @@ def test_idempotent_repeat_replays_and_is_charged_once(env: EmulatorProcess) -> 
     assert arrivals(env, "salary") == 2 and arrivals(env, "llm") == 1
     assert used(user) == COST
     other = post(user, {"role": "chef"}, {"Idempotency-Key": key})
-    assert other.status == 409 and other.body["error"]["code"] == "idempotency_conflict"
+    assert other.status == 422 and other.body["error"]["code"] == "idempotency_key_reused"
     assert used(user) == COST
 
 

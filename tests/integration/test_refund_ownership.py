@@ -77,7 +77,7 @@ class Fleet:
 
 @pytest.fixture
 def fleet(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
-          fault_proxy: FaultProxy) -> Iterator[Fleet]:
+          fault_proxy: FaultProxy, stored_answers: str) -> Iterator[Fleet]:
     """Two environments of one function; the first reaches Redis through the fault proxy."""
     monkeypatch.setenv("REDIS_URL", redis_server.url)
     monkeypatch.setenv("ATTO_BUDGET", "20/1h")

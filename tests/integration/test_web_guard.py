@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 
 import pytest
 from fastapi import Depends
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from mangum import Mangum
 from pydantic import BaseModel
 
@@ -60,6 +60,16 @@ def build_app() -> Any:
         calls.append("returns-502")
         return JSONResponse({"error": {"code": "provider_error", "message": "x"}}, status_code=502)
 
+    @app.post("/streams-then-raises", dependencies=[Depends(require_tokens(cost=5))])
+    async def streams_then_raises() -> StreamingResponse:
+        calls.append("streams-then-raises")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b'{"part": 1'
+            raise RuntimeError("the stream broke")
+
+        return StreamingResponse(chunks(), media_type="application/json")
+
     @app.post("/validated", dependencies=[Depends(require_tokens(cost=5))])
     async def validated(item: Item) -> dict[str, int]:
         calls.append("validated")
@@ -94,8 +104,10 @@ def build_app() -> Any:
 
 
 @pytest.fixture
-def web(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer) -> Iterator[Any]:
-    """A guarded test app over the session's redis-server, with a 20-token hourly plan."""
+def web(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
+        stored_answers: str) -> Iterator[Any]:
+    """A guarded test app over the session's redis-server, with a 20-token hourly plan, its
+    answers stored in the session's local DynamoDB."""
     monkeypatch.setenv("REDIS_URL", redis_server.url)
     monkeypatch.setenv("ATTO_BUDGET", "20/1h")
     monkeypatch.delenv("ATTO_ENV", raising=False)
@@ -222,14 +234,15 @@ def test_repeated_idempotency_key_replays_and_is_charged_once(web: Any) -> None:
     assert used(web, user) == 5
 
 
-def test_idempotency_key_with_another_body_is_409(web: Any) -> None:
-    """Reusing a key for a different request is refused and charges nothing more."""
+def test_idempotency_key_with_another_body_is_422(web: Any) -> None:
+    """Reusing a key for a different request is refused (422 idempotency_key_reused, the
+    IETF draft's answer) and charges nothing more."""
     user, key = uuid.uuid4().hex, str(uuid.uuid4())
     assert invoke(web, http_event("POST", "/validated", body={"n": 1}, user=user,
                                   headers={"Idempotency-Key": key})).status == 200
     res = invoke(web, http_event("POST", "/validated", body={"n": 2}, user=user,
                                  headers={"Idempotency-Key": key}))
-    assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
+    assert res.status == 422 and res.body["error"]["code"] == "idempotency_key_reused"
     assert used(web, user) == 5
 
 
@@ -249,7 +262,8 @@ def test_idempotency_key_in_flight_is_409(web: Any) -> None:
 
 
 def test_guard_still_refuses_a_charged_id_without_a_stored_answer(web: Any) -> None:
-    """If the stored answer is gone, the ledger still charges the key only once (409)."""
+    """If the stored answer is gone, the ledger still charges the key only once (409: a
+    charge for it stands)."""
     from usage_limits.web import idempotency as idem
 
     user, key = uuid.uuid4().hex, "lost-record"
@@ -261,7 +275,8 @@ def test_guard_still_refuses_a_charged_id_without_a_stored_answer(web: Any) -> N
     asyncio.get_event_loop().run_until_complete(idem.abandon(record))
     res = invoke(web, http_event("POST", "/ok", body={}, user=user,
                                  headers={"Idempotency-Key": key}))
-    assert res.status == 409 and calls == ["ok"] and used(web, user) == 5
+    assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
+    assert "retry-after" not in res.headers and calls == ["ok"] and used(web, user) == 5
 
 
 def test_idempotency_key_is_scoped_to_the_user(web: Any) -> None:
@@ -272,6 +287,19 @@ def test_idempotency_key_is_scoped_to_the_user(web: Any) -> None:
     assert invoke(web, http_event("POST", "/ok", body={}, user=bob,
                                   headers={"Idempotency-Key": key})).status == 200
     assert used(web, alice) == 5 and used(web, bob) == 5
+
+
+def test_a_keyed_answer_cut_short_is_a_500_refunded_and_the_key_freed(web: Any) -> None:
+    """A keyed success whose body breaks half way is never sent (nor stored): the client
+    gets 500 internal_error, the charge is refunded and the key runs again."""
+    user, key = uuid.uuid4().hex, {"Idempotency-Key": uuid.uuid4().hex}
+    res = invoke(web, http_event("POST", "/streams-then-raises", body={}, user=user,
+                                 headers=key))
+    assert res.status == 500 and res.body["error"]["code"] == "internal_error"
+    assert used(web, user) == 0
+    again = invoke(web, http_event("POST", "/streams-then-raises", body={}, user=user,
+                                   headers=key))
+    assert again.status == 500 and calls == ["streams-then-raises"] * 2
 
 
 def test_failed_request_can_be_retried_with_the_same_key(web: Any) -> None:
@@ -608,26 +636,30 @@ def test_replay_carries_the_users_current_ratelimit_headers(web: Any) -> None:
 
 
 @pytest.mark.parametrize("repeat", ["replay", "other-body"])
-def test_replay_and_conflict_cost_three_redis_round_trips(
+def test_replay_and_reuse_cost_one_dynamodb_call_and_one_redis_round_trip(
         web: Any, redis_server: RedisServer, repeat: str) -> None:
-    """A replay or a 409 reads the key's record (SET NX, GET) and the usage (one script
-    call), nothing more."""
+    """A replay or a 422 reuse reads the key's record in one DynamoDB call (the refused
+    claim returns it) and the usage in one Redis script call, nothing more."""
     user, key = uuid.uuid4().hex, str(uuid.uuid4())
     assert invoke(web, http_event("POST", "/validated", body={"n": 1}, user=user,
                                   headers={"Idempotency-Key": key})).status == 200
     assert used(web, user) == 5  # Redis has the usage script now (no NOSCRIPT reload below)
+    calls_made: list[str] = []
+    idempotency._persistence().client.meta.events.register(
+        "before-call.dynamodb", lambda model, **_: calls_made.append(model.name))
     n = 1 if repeat == "replay" else 2
     with RedisCommands(redis_server) as sent:
         res = invoke(web, http_event("POST", "/validated", body={"n": n}, user=user,
                                      headers={"Idempotency-Key": key}))
-    assert res.status == (200 if repeat == "replay" else 409)
+    assert res.status == (200 if repeat == "replay" else 422)
     assert "ratelimit" in res.headers
-    assert sorted(sent) == ["evalsha", "get", "set"]
+    assert sorted(sent) == ["evalsha"] and calls_made == ["PutItem"]
 
 
 @pytest.mark.parametrize("conflict", ["other-body", "in-flight"])
 def test_idempotency_conflicts_carry_ratelimit_headers(web: Any, conflict: str) -> None:
-    """A 409 idempotency_conflict shows the user's budget, and charges nothing."""
+    """A 409 idempotency_conflict and a 422 reuse show the user's budget, and charge
+    nothing."""
     import asyncio
 
     from usage_limits.web import idempotency as idem
@@ -646,7 +678,9 @@ def test_idempotency_conflicts_carry_ratelimit_headers(web: Any, conflict: str) 
         res = invoke(web, http_event("POST", "/ok", body={}, user=user,
                                      headers={"Idempotency-Key": key}))
         spent = 5
-    assert res.status == 409 and res.body["error"]["code"] == "idempotency_conflict"
+    assert (res.status, res.body["error"]["code"]) == (
+        (422, "idempotency_key_reused") if conflict == "other-body"
+        else (409, "idempotency_conflict"))
     assert res.headers["ratelimit-policy"] == '"1h";q=20;w=3600;atto-qu="tokens"'
     assert res.headers["ratelimit"].startswith(f'"1h";r={20 - spent};')
     assert used(web, user) == spent

@@ -100,8 +100,10 @@ def build_app() -> FastAPI:
 
 
 @pytest.fixture
-def app(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer) -> Iterator[FastAPI]:
-    """The test app over the session's redis-server, with a 20-token hourly plan."""
+def app(monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer,
+        stored_answers: str) -> Iterator[FastAPI]:
+    """The test app over the session's redis-server, with a 20-token hourly plan (answers
+    stored in the session's local DynamoDB)."""
     monkeypatch.setenv("REDIS_URL", redis_server.url)
     monkeypatch.setenv("ATTO_BUDGET", "20/1h")
     monkeypatch.delenv("ATTO_ENV", raising=False)

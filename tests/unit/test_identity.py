@@ -55,3 +55,29 @@ def test_errors_are_raised_to_every_caller() -> None:
             identity.user_id(Request(scope))
         with pytest.raises(InvalidRequest):
             identity.request_id(Request(scope))
+
+
+@pytest.mark.parametrize(("field", "key"), [
+    ('"8e03978e-40d5-43e8-bc93-6894a57f9324"', "8e03978e-40d5-43e8-bc93-6894a57f9324"),
+    ("8e03978e-40d5-43e8-bc93-6894a57f9324", "8e03978e-40d5-43e8-bc93-6894a57f9324"),
+    ('"a\\"b\\\\c"', 'a"b\\c'),                 # the draft's escapes
+    ('"k";ttl=60', "k"),                        # parameters are ignored
+    (' "k" ', "k"), ("k", "k"), ('a"b', 'a"b'),  # OWS; a bare key may hold a quote inside
+    ('"' + "x" * 128 + '"', "x" * 128),
+])
+def test_an_idempotency_key_is_the_drafts_sf_string_or_bare(field: str, key: str) -> None:
+    """The field is an RFC 9651 String (quoted, unescaped) or the bare key: one key, and
+    the request id is ``k:`` and the key unquoted."""
+    assert identity.idempotency_key(field) == key
+    request = Request(_scope({"idempotency-key": field}))
+    assert identity.request_id(request) == "k:" + key
+    assert identity.response_id(request) == key
+
+
+@pytest.mark.parametrize("field", ['"open', '""', '"a" "b"', '"k";', '"tab\there"', "",
+                                   '"' + "x" * 129 + '"', "x" * 129, "caf\u00e9"])
+def test_a_key_outside_the_published_format_is_refused(field: str) -> None:
+    """A quoted field that is no sf-string, or a key that is empty, longer than 128 or not
+    printable ASCII, is 400 invalid_request naming the Idempotency-Key."""
+    with pytest.raises(InvalidRequest, match="Idempotency-Key"):
+        identity.idempotency_key(field)

@@ -403,6 +403,9 @@ TABLE_ACTIONS = {
     ("AuditorFunctionRole", "EntitlementsTable"): {"dynamodb:GetItem", "dynamodb:Query",
                                                    "dynamodb:PutItem", "dynamodb:UpdateItem"},
     ("AuditorFunctionRole", "UsageTable"): {"dynamodb:Query", "dynamodb:UpdateItem"},
+    # stored answers (Idempotency-Key): claim, read, store, free; on their own table only
+    ("IdempotencyPolicy", "IdempotencyTable"): {"dynamodb:GetItem", "dynamodb:PutItem",
+                                                "dynamodb:UpdateItem", "dynamodb:DeleteItem"},
 }
 #: The resources each holder's statement names, per table.
 TABLE_RESOURCES = {
@@ -438,9 +441,10 @@ def test_the_table_is_reached_with_named_actions_only_where_needed(
     """DynamoDB permissions are named actions on one table each (no wildcards, no Scan, no
     table management): the admin role's, the request path's load and draw policies (which
     never see the audit index and cannot put or delete items) and the usage records' write
-    and read policies (the writers cannot read, the reader only queries the time index);
-    the auditor puts into the entitlements table only its own mark's partition, and
-    updates only user items' expiry attributes (its expiry sweep)."""
+    and read policies (the writers cannot read, the reader only queries the time index),
+    the stored answers' policy (its own table only); the auditor puts into the entitlements
+    table only its own mark's partition, and updates only user items' expiry attributes
+    (its expiry sweep)."""
     held: dict[tuple[str, str], set[str]] = {}
     for holder, statement in _statements(resources):
         actions = [str(a) for a in _as_list(statement.get("Action", []))]
@@ -448,7 +452,8 @@ def test_the_table_is_reached_with_named_actions_only_where_needed(
         if not dynamo:
             continue
         named = json.dumps(statement["Resource"])
-        table = "UsageTable" if "UsageTable" in named else "EntitlementsTable"
+        table = next((t for t in ("UsageTable", "IdempotencyTable") if t in named),
+                     "EntitlementsTable")
         held.setdefault((holder, table), set()).update(dynamo)
         if holder == "AuditorFunctionRole" and table == "EntitlementsTable":
             resources_named, condition = AUDITOR_STATEMENTS[tuple(dynamo)]

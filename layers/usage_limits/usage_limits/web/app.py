@@ -58,8 +58,13 @@ COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: _doc("limiter_unavailable (Redis unreachable) or provider_busy"),
 }
 METERED_RESPONSES: dict[int | str, dict[str, Any]] = {
-    409: _doc("idempotency_conflict: this Idempotency-Key was already used"),
-    422: _doc("invalid_request: the body failed validation; or cost_exceeds_plan: the "
+    409: _doc("idempotency_conflict: the request with this Idempotency-Key is still in "
+              "progress (see Retry-After), or a charge for the key stands with no stored "
+              "answer (no Retry-After)"),
+    422: _doc("invalid_request: the body failed validation; or idempotency_key_reused: the "
+              "Idempotency-Key was used for another request; or idempotency_answer_gone: "
+              "the key's request was served and charged once, its answer too large to "
+              "keep; or cost_exceeds_plan: the "
               "request costs more than a window of the plan allows (cost, limit, window_s "
               "in the body), so it can never be served: do not retry; or schema_rejected "
               "(the provider refused the schema: reason), model_refused (refusal) or "

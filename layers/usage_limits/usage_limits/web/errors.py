@@ -9,7 +9,9 @@ the shape are defined once:
      ├── AccountSuspended      403 account_suspended      (until, when the suspension ends)
      ├── InvalidRequest        400 invalid_request (422 for body validation)
      ├── PayloadTooLarge       413 payload_too_large
-     ├── IdempotencyConflict   409 idempotency_conflict
+     ├── IdempotencyConflict   409 idempotency_conflict   (the key's request is in flight)
+     ├── IdempotencyKeyReused  422 idempotency_key_reused (the key served another request)
+     ├── IdempotencyAnswerGone 422 idempotency_answer_gone (served, charged, answer not kept)
      ├── CostExceedsPlan       422 cost_exceeds_plan      (cost, limit, window_s; never retry)
      ├── SchemaRejected        422 schema_rejected        (reason: the provider's, about the schema)
      ├── ModelRefused          422 model_refused          (refusal: the model's own words)
@@ -88,7 +90,30 @@ class PayloadTooLarge(ApiError):
 
 
 class IdempotencyConflict(ApiError):
+    """The key's first request is still in flight: retry after ``Retry-After``.
+
+    The IETF draft (draft-ietf-httpapi-idempotency-key-header, "Error Scenarios") keeps 409
+    for a request still outstanding: the client may simply retry the same request. The
+    ledger's own 409 (a charge for the id stands, no stored answer: an unconfirmed charge
+    until its hold ends, or one past ``IDEMPOTENCY_TTL_S``) carries no ``Retry-After``.
+    """
+
     status, code = 409, "idempotency_conflict"
+
+
+class IdempotencyKeyReused(ApiError):
+    """The key was used for another request (method, path, query or body): the client must
+    change the request (a new key) before retrying; the draft's 422."""
+
+    status, code = 422, "idempotency_key_reused"
+
+
+class IdempotencyAnswerGone(ApiError):
+    """The key's request was served and charged once, and its answer is not kept (too
+    large to store): never served (nor charged) again under this key; a new request needs a
+    new key."""
+
+    status, code = 422, "idempotency_answer_gone"
 
 
 class CostExceedsPlan(ApiError):

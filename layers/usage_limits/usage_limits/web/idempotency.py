@@ -1,59 +1,88 @@
 """Idempotent responses: the same ``Idempotency-Key`` from the same user gets the same answer.
 
-Built on Powertools idempotency with its Redis cache persistence, on the same Redis as the
-ledger. For a request carrying ``Idempotency-Key`` from an identified user:
+Built on Powertools idempotency with its DynamoDB persistence layer, in a table of its own
+(``ATTO_IDEMPOTENCY_TABLE``; template.yaml ``IdempotencyTable``), so a served answer
+outlives the cache: dropping Redis (``FLUSHALL``, a failover) never serves or charges a
+served key again. For a request carrying ``Idempotency-Key`` from an identified user:
 
-- first time: an INPROGRESS record is written (expiring with the request's deadline, so a
-  Lambda killed at timeout leaves an orphan Powertools can take over), the route runs,
-  and a 2xx response (status, content type, body) is stored as COMPLETED for
-  ``IDEMPOTENCY_TTL_S`` seconds; a failed request deletes its record, so a retry may run;
-- a repeat after success: the stored response is returned with ``Idempotent-Replayed:
-  true``; no tokens are reserved and no provider is called;
-- a repeat while the first is in flight: 409 ``idempotency_conflict``;
-- the same key with a different method, path, query or body: 409 ``idempotency_conflict``.
+- first time: an INPROGRESS record is written (one conditional PutItem, expiring with the
+  request's deadline, so a Lambda killed at timeout leaves a claim Powertools can take
+  over), the route runs, and a 2xx answer (status, content type, body) is stored as
+  COMPLETED for ``IDEMPOTENCY_TTL_S`` seconds **before it is sent** (``web.middleware``):
+  an answer that could not be stored is never sent (503, refunded), so every answer a
+  client received is stored; a failed request deletes its record, so a retry may run;
+- a repeat after success: the stored answer with ``Idempotent-Replayed: true``; nothing
+  reserved, no provider called. One DynamoDB call: the refused PutItem returns the record
+  (``ReturnValuesOnConditionCheckFailure``);
+- a repeat while the first is in flight: 409 ``idempotency_conflict`` (retry);
+- the same key with another method, path, query or body: 422 ``idempotency_key_reused``;
+- a large answer (above ``MAX_STORED_BYTES``, DynamoDB's item limit being 400 KB) is
+  stored compressed, in up to ``MAX_PARTS`` items of its own beside the record when
+  compressed it is still larger (64 embeddings of 3,072 dimensions: about 4 MB of JSON,
+  7 parts); a replay then reads them too (one GetItem each). An answer larger still (the
+  Lambda response limit, 6 MB, comes first) is recorded as served without its body: a
+  repeat gets 422 ``idempotency_answer_gone`` (served and charged once), never a second
+  run.
 
-The key is scoped to the user (the user id is part of the hashed record key), so no user
-can read or replay another user's responses. Powertools' client is blocking; its calls
-run in a worker thread so they never stall the event loop.
+Why its own table, not the entitlements table under the user's partition: the metered
+functions then need PutItem and DeleteItem only on stored answers, never on the table that
+holds money (IAM cannot tell a grant from an answer by its sort key); answers of up to
+``MAX_STORED_BYTES`` stay out of the partitions the statement and the auditor read; and
+Powertools' own key layout and DynamoDB's TTL (``expiration``) apply unchanged. The user is
+part of the hashed key (``[user, key]``), so no user can read or replay another's answers.
 
-A success whose answer could not be stored (Redis out of memory, unreachable, or the
-clean-up budget spent) is kept in the execution environment and written again before
-the next request it serves, like a kept refund: at most ``MAX_KEPT`` are kept, each for
-at most the record's TTL, and before a request up to ``RETRY_BATCH`` are written at once,
-each within ``RETRY_EACH_S``. Until it lands, a repeat of the key gets 409: "in progress"
-(with Retry-After) while the claim lives, then the ledger's "already charged".
+Without ``ATTO_IDEMPOTENCY_TABLE`` answers are not stored: a repeat of a charged key gets
+the ledger's 409 ``idempotency_conflict`` while the ledger holds its charge. boto3 is
+blocking: its calls run in a worker thread so they never stall the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
-import threading
-import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from ..exceptions import LimiterUnavailable
 
+#: The DynamoDB table of stored answers (unset: answers are not stored).
+IDEMPOTENCY_TABLE_ENV = "ATTO_IDEMPOTENCY_TABLE"
+#: How long a served answer is kept, seconds.
 IDEMPOTENCY_TTL_S = "IDEMPOTENCY_TTL_S"
 DEFAULT_TTL_S = 3600
-KEY_PREFIX = "ul:idem"
+#: The prefix of every record's key, the same in every function: a key reused on another
+#: route is a reuse (422), not a second charge.
+KEY_PREFIX = "atto"
 REPLAY_HEADER = "idempotent-replayed"
 _STORED_HEADERS = {"content-type"}
+#: The largest answer body stored in one item (DynamoDB's item limit is 400 KB, key and
+#: attributes included); a larger body is stored compressed, in parts of this size when
+#: even that is larger.
+MAX_STORED_BYTES = 300_000
+#: The most parts of one compressed answer (4.8 MB: Lambda's 6 MB response limit, JSON
+#: numbers compressed); a larger answer is recorded as served without its body.
+MAX_PARTS = 16
+#: A part's item key: the record's key and this suffix with the part's index.
+PART_SUFFIX = "#part"
+#: The client's bounds: a claim or a store waits at most this long per attempt.
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S, MAX_ATTEMPTS = 1.0, 2.0, 2
 
 _store: Any = None
-
-#: Successful answers kept to be stored again, per execution environment (oldest dropped).
-MAX_KEPT = 100
-#: Kept answers written before one request, at most (at once).
-RETRY_BATCH = 16
-#: The longest one kept answer's write may take before a request.
-RETRY_EACH_S = 0.2
 
 
 @dataclass(frozen=True)
 class Replay:
+    """A stored answer.
+
+    Attributes:
+        status: its HTTP status.
+        headers: its stored headers (the content type).
+        body: its body.
+    """
+
     status: int
     headers: list[tuple[str, str]]
     body: bytes
@@ -67,55 +96,40 @@ class KeyReused(Exception):
     """The key was used with a different request."""
 
 
+class AnswerGone(Exception):
+    """The key's request was served and charged once; its answer is not kept."""
+
+
+def enabled() -> bool:
+    """Whether answers are stored (``ATTO_IDEMPOTENCY_TABLE`` is set)."""
+    return bool(os.environ.get(IDEMPOTENCY_TABLE_ENV, "").strip())
+
+
 def _persistence() -> Any:
     global _store
     if _store is None:
-        import warnings
-
+        import boto3
         from aws_lambda_powertools.utilities.idempotency import IdempotencyConfig
-        from aws_lambda_powertools.utilities.idempotency.persistence.cache import (
-            CachePersistenceLayer,
+        from aws_lambda_powertools.utilities.idempotency.persistence.dynamodb import (
+            DynamoDBPersistenceLayer,
+        )
+        from botocore.config import Config
+
+        from ..entitlements.config import (
+            AWS_DEFAULT_REGION_ENV,
+            AWS_REGION_ENV,
+            DYNAMODB_ENDPOINT_ENV,
+            env_reader,
         )
 
-        from ..connection import redis_from_env
-
-        # Powertools marks the cache layer's class for renaming; subclassing warns.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-
-            class Persistence(CachePersistenceLayer):
-                """Powertools' cache layer, keeping the payload hash on COMPLETED records,
-                and reading an existing record once per claim.
-
-                Its own ``_update_record`` drops the hash when a record completes, after which
-                every repeat fails payload validation; this writes the same record with it.
-                Its ``save_inprogress`` reads the record it found (GET) to decide, and
-                ``get_record`` would read it again: within ``claim`` the second read reuses
-                the first, so a repeat costs two round trips (SET NX, GET), not three.
-                """
-
-                reads = threading.local()
-
-                def _get_record(self, idempotency_key: str) -> Any:
-                    memo: dict[str, Any] | None = getattr(self.reads, "memo", None)
-                    if memo is not None and idempotency_key in memo:
-                        return memo.pop(idempotency_key)
-                    record = super()._get_record(idempotency_key)
-                    if memo is not None:
-                        memo[idempotency_key] = record
-                    return record
-
-                def _update_record(self, data_record: Any) -> None:
-                    item = {self.data_attr: data_record.response_data,
-                            self.status_attr: data_record.status,
-                            self.expiry_attr: data_record.expiry_timestamp}
-                    if self.payload_validation_enabled:
-                        item[self.validation_key_attr] = data_record.payload_hash
-                    self.client.set(name=data_record.idempotency_key,
-                                    value=self._json_serializer(item),
-                                    ex=self._get_expiry_second(data_record.expiry_timestamp))
-
-            layer = Persistence(client=redis_from_env(sync=True))
+        get = env_reader()
+        client = boto3.client(
+            "dynamodb", endpoint_url=get(DYNAMODB_ENDPOINT_ENV),
+            region_name=get(AWS_REGION_ENV) or get(AWS_DEFAULT_REGION_ENV),
+            config=Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                          retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"}))
+        layer = DynamoDBPersistenceLayer(table_name=get(IDEMPOTENCY_TABLE_ENV) or "",
+                                         boto3_client=client)
         layer.configure(
             IdempotencyConfig(event_key_jmespath="[user, key]",
                               payload_validation_jmespath="request",
@@ -128,10 +142,9 @@ def _persistence() -> Any:
 
 
 def reset() -> None:
-    """Forget the store and the kept answers (tests, a restored snapshot, a new environment)."""
+    """Forget the store (tests, a restored snapshot, a new environment)."""
     global _store
     _store = None
-    _kept.clear()
 
 
 def record_data(
@@ -143,17 +156,16 @@ def record_data(
 
 
 async def begin(data: dict[str, Any], remaining_ms: int) -> Replay | None:
-    """Claim the key; None to proceed, a ``Replay`` when a stored response exists.
+    """Claim the key; None to proceed, a ``Replay`` when a stored answer exists.
 
     Raises:
         InFlight: the first request with this key is still running.
         KeyReused: the key was used for a different request.
-        LimiterUnavailable: Redis could not be reached.
+        AnswerGone: the key's request was served and charged once; its answer is not kept.
+        LimiterUnavailable: DynamoDB could not be reached (nothing was charged).
     """
     from aws_lambda_powertools.utilities.idempotency import exceptions as ex
 
-    # One worker thread call (the store is created there too: a cluster client connects
-    # when made): the claim, and on a repeat the record that the claim already read.
     try:
         record = await asyncio.to_thread(_claim, data, remaining_ms)
         if record is None:
@@ -167,36 +179,100 @@ async def begin(data: dict[str, Any], remaining_ms: int) -> Replay | None:
     if record.status != "COMPLETED":
         raise InFlight()
     stored = record.response_json_as_dict() or {}
+    body = stored.get("body")
+    packed = stored.get("zbody")
+    if "parts" in stored:
+        try:
+            packed = await asyncio.to_thread(_read_parts, record.idempotency_key,
+                                             int(stored["parts"]))
+        except Exception as exc:
+            raise LimiterUnavailable(f"idempotency store unavailable: {exc}") from exc
+    if packed is not None:
+        body = zlib.decompress(base64.b64decode(packed)).decode("utf-8", "replace")
+    if body is None:
+        raise AnswerGone()
     return Replay(int(stored.get("status", 200)),
-                  [(k, v) for k, v in stored.get("headers", [])],
-                  str(stored.get("body", "")).encode())
+                  [(k, v) for k, v in stored.get("headers", [])], str(body).encode())
 
 
 def _claim(data: dict[str, Any], remaining_ms: int) -> Any:
     """Save the INPROGRESS record; None when saved, else the existing record (validated
-    against this request's payload)."""
+    against this request's payload): the one the refused PutItem returned, else read."""
     from aws_lambda_powertools.utilities.idempotency import exceptions as ex
 
     layer = _persistence()
-    layer.reads.memo = {}
     try:
-        try:
-            layer.save_inprogress(data, remaining_ms)
+        layer.save_inprogress(data, remaining_ms)
+        return None
+    except ex.IdempotencyItemAlreadyExistsError as exc:
+        if exc.old_data_record is not None:
+            return exc.old_data_record
+    return layer.get_record(data)
+
+
+def _read_parts(idempotency_key: str, count: int) -> str | None:
+    """The compressed answer stored in ``count`` parts; None when one is gone."""
+    layer = _persistence()
+    parts = []
+    for i in range(count):
+        item = layer.client.get_item(
+            TableName=layer.table_name, ConsistentRead=True,
+            Key={layer.key_attr: {"S": f"{idempotency_key}{PART_SUFFIX}{i}"}}).get("Item")
+        if item is None:
             return None
-        except ex.IdempotencyItemAlreadyExistsError:
-            pass
-        return layer.get_record(data)
-    finally:
-        layer.reads.memo = None
+        parts.append(item[layer.data_attr]["S"])
+    return "".join(parts)
+
+
+def stored_result(status: int, headers: list[tuple[bytes, bytes]],
+                  body: bytes) -> tuple[dict[str, Any], list[str]]:
+    """What is stored of a successful answer: status, content type and body (compressed
+    when large, and then in parts when still larger; left out, and so "gone" on a repeat,
+    beyond ``MAX_PARTS``).
+
+    Returns:
+        The record's data, and the parts to store beside it (none for a small answer).
+    """
+    kept = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+            if k.decode("latin-1").lower() in _STORED_HEADERS]
+    result: dict[str, Any] = {"status": status, "headers": kept}
+    if len(body) <= MAX_STORED_BYTES:
+        result["body"] = body.decode("utf-8", "replace")
+        return result, []
+    packed = base64.b64encode(zlib.compress(body, 6)).decode("ascii")
+    if len(packed) <= MAX_STORED_BYTES:
+        result["zbody"] = packed
+        return result, []
+    parts = [packed[i:i + MAX_STORED_BYTES] for i in range(0, len(packed), MAX_STORED_BYTES)]
+    if len(parts) > MAX_PARTS:
+        return result, []
+    result["parts"] = len(parts)
+    return result, parts
+
+
+def _save(data: dict[str, Any], result: dict[str, Any], parts: list[str]) -> None:
+    """Write an answer's parts (each expiring with the record), then the record."""
+    layer = _persistence()
+    if parts:
+        key = layer._get_hashed_idempotency_key(data)
+        expiry = str(layer._get_expiry_timestamp())
+        for i, part in enumerate(parts):
+            layer.client.put_item(TableName=layer.table_name, Item={
+                layer.key_attr: {"S": f"{key}{PART_SUFFIX}{i}"},
+                layer.expiry_attr: {"N": expiry}, layer.status_attr: {"S": "PART"},
+                layer.data_attr: {"S": part}})
+    layer.save_success(data, result)
 
 
 async def complete(data: dict[str, Any], status: int, headers: list[tuple[bytes, bytes]],
                    body: bytes) -> None:
-    """Store a successful response for repeats."""
-    kept = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
-            if k.decode("latin-1").lower() in _STORED_HEADERS]
-    result = {"status": status, "headers": kept, "body": body.decode("utf-8", "replace")}
-    await asyncio.to_thread(lambda: _persistence().save_success(data, result))
+    """Store a successful answer for repeats (before it is sent).
+
+    Raises:
+        Exception: whatever the store raised; the answer must then not be sent.
+    """
+    result, parts = stored_result(status, headers, body)
+    await asyncio.to_thread(_save, data, result, parts)
 
 
 async def abandon(data: dict[str, Any]) -> None:
@@ -205,52 +281,16 @@ async def abandon(data: dict[str, Any]) -> None:
                                                                  RuntimeError("request failed")))
 
 
-@dataclass(frozen=True)
-class _Kept:
-    data: dict[str, Any]
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    keep_until: float
-
-
-_kept: list[_Kept] = []
-
-
-def keep(data: dict[str, Any], status: int, headers: list[tuple[bytes, bytes]],
-         body: bytes) -> None:
-    """Keep a successful answer whose write failed, to store it before the next request."""
-    ttl_s = int(os.environ.get(IDEMPOTENCY_TTL_S, DEFAULT_TTL_S))
-    _kept.append(_Kept(data, status, headers, body, time.monotonic() + ttl_s))
-    if len(_kept) > MAX_KEPT:
-        _kept.pop(0)
-
-
-def kept() -> int:
-    """How many answers wait to be stored."""
-    return len(_kept)
-
-
-async def retry(each_s: float = RETRY_EACH_S, batch: int = RETRY_BATCH) -> int:
-    """Store up to ``batch`` kept answers, at once, each within ``each_s``; a write that
-    fails again is kept behind the others.
-
-    Returns:
-        How many were stored.
-    """
-    now, tried = time.monotonic(), []
-    for item in list(_kept[:batch]):
-        _kept.remove(item)
-        if item.keep_until > now:
-            tried.append(item)
-
-    async def store(item: _Kept) -> int:
-        try:
-            async with asyncio.timeout(each_s):
-                await complete(item.data, item.status, item.headers, item.body)
-        except Exception:  # Redis still failing: keep it
-            _kept.append(item)
-            return 0
-        return 1
-
-    return sum(await asyncio.gather(*(store(item) for item in tried)))
+def create_table(client: Any, table: str) -> None:
+    """Create the stored answers' table as template.yaml declares it (the local stack, tests):
+    ``id`` (string) the only key, DynamoDB's TTL on ``expiration``. An existing table is
+    left as it is."""
+    try:
+        client.create_table(TableName=table, BillingMode="PAY_PER_REQUEST",
+                            AttributeDefinitions=[{"AttributeName": "id",
+                                                   "AttributeType": "S"}],
+                            KeySchema=[{"AttributeName": "id", "KeyType": "HASH"}])
+    except client.exceptions.ResourceInUseException:
+        return
+    client.update_time_to_live(TableName=table, TimeToLiveSpecification={
+        "Enabled": True, "AttributeName": "expiration"})

@@ -162,7 +162,7 @@ def request_id(request: Request) -> str:
     the user because every ledger key is.
 
     Raises:
-        InvalidRequest: the Idempotency-Key is empty, too long or not printable ASCII.
+        InvalidRequest: the Idempotency-Key is malformed (``idempotency_key``).
     """
     found = _found(request)
     known = found.get("request_id")
@@ -171,13 +171,51 @@ def request_id(request: Request) -> str:
     return known
 
 
+def idempotency_key(field: str) -> str:
+    """The key an ``Idempotency-Key`` field carries.
+
+    The IETF draft (draft-ietf-httpapi-idempotency-key-header) defines the field as an RFC
+    9651 Item whose value is a String: ``Idempotency-Key: "8e03978e-40d5-43e8"``, parsed
+    here by ``http_sf`` (unescaping ``\\"`` and ``\\\\``; parameters, which the draft
+    defines none of, are ignored as RFC 9651 asks). The bare form the README documented
+    first (``Idempotency-Key: 8e03978e-40d5-43e8``) is still accepted, as the key itself:
+    a field that does not open with a double quote is bare. Both forms of one key are one
+    key, so a client of either kind is charged once.
+
+    Args:
+        field: the field's value.
+
+    Returns:
+        The key, unquoted: 1 to ``MAX_IDEMPOTENCY_KEY`` printable ASCII characters.
+
+    Raises:
+        InvalidRequest: a quoted field that is not an sf-string, or a key that is empty,
+            too long or not printable ASCII (400, before anything is charged or stored).
+    """
+    key = field.strip(" \t")
+    if key.startswith('"'):
+        import http_sf  # only a quoted field needs the parser
+
+        value: object = None
+        try:  # an Item is (bare item, parameters)
+            item = http_sf.parse(key.encode("ascii"), tltype="item")
+            value = item[0] if isinstance(item, tuple) else None
+        except (http_sf.StructuredFieldError, UnicodeEncodeError, ValueError):
+            pass
+        if type(value) is not str:
+            raise InvalidRequest("Idempotency-Key: a quoted key must be an RFC 9651 string "
+                                 '("...", with \\" and \\\\ escaped)')
+        key = value
+    if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY or not all(" " <= c <= "~" for c in key):
+        raise InvalidRequest(
+            f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters")
+    return key
+
+
 def _new_request_id(request: Request) -> str:
-    key = request.headers.get(IDEMPOTENCY_HEADER)
-    if key is not None:
-        if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY or not all(" " <= c <= "~" for c in key):
-            raise InvalidRequest(
-                f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters")
-        return "k:" + key
+    field = request.headers.get(IDEMPOTENCY_HEADER)
+    if field is not None:
+        return "k:" + idempotency_key(field)
     event = request.scope.get("aws.event") or {}
     gateway_id = (event.get("requestContext") or {}).get("requestId")
     if isinstance(gateway_id, str) and gateway_id:

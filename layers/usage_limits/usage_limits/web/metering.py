@@ -12,15 +12,15 @@ wrapped so that, once every argument is valid,
 1. the charge is prepared under the caller's plan;
 2. a request with an ``Idempotency-Key`` claims its key (``web.idempotency``): a repeat of a
    completed request gets the stored answer (``Idempotent-Replayed: true``, nothing charged,
-   no provider called), a repeat of one in flight or a reuse for another request gets 409
-   ``idempotency_conflict``;
+   no provider called), a repeat of one in flight gets 409 ``idempotency_conflict``, a reuse
+   for another request 422 ``idempotency_key_reused``;
 3. the cost is computed (fixed, or from the validated request model) and reserved, and a
    parameter declared with ``Depends(require_tokens(...))`` is given the ``Charge``;
 4. the route's own code runs.
 
-A replay and a 409 reserve nothing, so the guard reads the user's windows (one script call)
-for their ``RateLimit`` headers: a replay costs three Redis round trips (the key's SET NX and
-GET, then the usage read).
+A replay, a 409 and a 422 of the key reserve nothing, so the guard reads the user's windows
+(one script call) for their ``RateLimit`` headers: a replay costs one DynamoDB call (the
+refused PutItem returns the stored answer) and one Redis round trip (the usage read).
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ from . import idempotency as idem
 from . import observability as obs
 from .errors import (
     AccountSuspended,
+    IdempotencyAnswerGone,
     IdempotencyConflict,
+    IdempotencyKeyReused,
     LimiterUnavailableError,
     retry_after_header,
 )
@@ -200,8 +202,10 @@ async def claim_key(state: RequestState) -> Response | None:
     """Claim the request's Idempotency-Key; a replay to send, or None to go on.
 
     Raises:
-        IdempotencyConflict: the key's first request is in flight, or the key was used for
-            another request.
+        IdempotencyConflict: the key's first request is in flight (409).
+        IdempotencyKeyReused: the key was used for another request (422).
+        IdempotencyAnswerGone: the key's request was served and charged once, and its answer
+            is not kept (422).
         LimiterUnavailableError: the idempotency store could not be reached.
     """
     record = state.idempotency
@@ -215,8 +219,14 @@ async def claim_key(state: RequestState) -> Response | None:
                                   headers=retry_after_header(1)) from None
     except idem.KeyReused:
         await _read_windows(state)
-        raise IdempotencyConflict(
-            "this Idempotency-Key was used for a different request") from None
+        raise IdempotencyKeyReused(
+            "this Idempotency-Key was used for a different request (method, path, query or "
+            "body): send this request with a new key") from None
+    except idem.AnswerGone:
+        await _read_windows(state)
+        raise IdempotencyAnswerGone(
+            "this Idempotency-Key's request was served and charged once; its answer is too "
+            "large to keep: use a new key for a new request") from None
     except Exception as exc:  # LimiterUnavailable, or anything else the store raised
         if not isinstance(exc, LimiterUnavailable):
             obs.logger().exception("idempotency store failed")

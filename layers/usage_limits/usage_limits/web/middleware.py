@@ -5,7 +5,9 @@ A small pure-ASGI middleware (no BaseHTTPMiddleware, no extra task) that, per re
 1. sets the request deadline from the Lambda context (``scope["aws.context"]``);
 2. caps the body size (413 ``payload_too_large`` before any handler or charge);
 3. notes a keyed request's idempotency record (claimed after validation, by
-   ``web.metering``), and stores a successful answer for repeats;
+   ``web.metering``), and stores a successful answer for repeats before sending it: an
+   answer that cannot be stored is withheld (503, refunded), so every answer a client
+   got is one a repeat gets again;
 4. records the response status and adds the ``RateLimit-Policy``/``RateLimit`` headers: from
    the reservation, or from the usage read for an answer that reserved nothing (a replay,
    a 409 ``idempotency_conflict``);
@@ -23,10 +25,10 @@ order, each step gets what the earlier ones left:
 
 - the refund: one that does not finish in time is kept and retried before the next request
   (``web.refunds``);
-- the idempotency record's update (a success stored, a failure's claim deleted): a success
-  whose answer is not stored in time is kept and stored before the next request
-  (``web.idempotency``); a failure's claim that is not deleted in time blocks a retry of
-  the key until its in-progress expiry (the Lambda's timeout);
+- a keyed success's answer stored (``web.idempotency``) before it is sent, after its
+  charge is confirmed: one not stored in time is withheld and refunded, like an
+  unconfirmed charge; a failure's claim that is not deleted in time blocks a retry of the
+  key (409) until its in-progress expiry (the Lambda's timeout);
 - the events still being published: the wait ends, the publications go on in the
   background and are confirmed or counted as failed when the environment runs again.
 """
@@ -139,8 +141,8 @@ class UsageLimitsMiddleware:
         log = obs.logger()
         log.append_keys(request_id=_request_id(scope), x_request_id=current_request_id.get(),
                         route=f"{scope.get('method')} {scope.get('path')}", user=None)
-        if refunds.pending() or idem.kept() or records.pending():  # each bounded, all at once
-            await asyncio.gather(refunds.retry(), idem.retry(), records.retry())
+        if refunds.pending() or records.pending():  # each bounded, both at once
+            await asyncio.gather(refunds.retry(), records.retry())
         status = 0
         response_headers: list[tuple[bytes, bytes]] = []
         response_body: list[bytes] = []
@@ -148,6 +150,8 @@ class UsageLimitsMiddleware:
         refund: _Refund | None = None
         withheld = False  # a success whose charge could not be confirmed: answered 503
         claimed: tuple[Any, ...] = ()  # the user's expired charges, claimed by the confirm
+        keyed_start: Message | None = None  # a keyed success's start, sent once it is stored
+        stored = False  # the keyed success's answer is stored for repeats
 
         async def refund_once() -> _Refund:
             nonlocal refund
@@ -167,8 +171,25 @@ class UsageLimitsMiddleware:
             await send({**start, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
+        async def send_stored(start: Message) -> None:
+            """Store a keyed success's answer, then send it; withhold it when not stored."""
+            nonlocal withheld, status, stored
+            body = b"".join(response_body)
+            try:
+                async with asyncio.timeout(cleanup.left_s()):
+                    await idem.complete(state.claimed or {}, status, response_headers, body)
+            except Exception:  # an answer sent must be one a repeat gets: withhold it
+                log.exception("could not store the answer for its Idempotency-Key")
+                withheld, status = True, 503
+                held.extend(_withheld(UNSTORED))
+                await send_held()
+                return
+            stored = True
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
         async def send_with_headers(message: Message) -> None:
-            nonlocal status, response_headers, withheld, claimed
+            nonlocal status, response_headers, withheld, claimed, keyed_start
             if withheld:
                 return  # the success's body: its answer was replaced
             if message["type"] == "http.response.start":
@@ -180,7 +201,7 @@ class UsageLimitsMiddleware:
                     confirmed, claimed = await holds.confirm(charge, cleanup.left_s())
                     if not confirmed:
                         withheld, status = True, 503
-                        held.extend(_unconfirmed())
+                        held.extend(_withheld(UNCONFIRMED))
                         await send_held()
                         return
                 if state.charge is not None and status >= 400:
@@ -189,9 +210,15 @@ class UsageLimitsMiddleware:
                 if state.reservation is not None or state.windows:
                     message = {**message, "headers": response_headers
                                + _ratelimit_headers(state, False)}
+                if state.claimed is not None and 200 <= status < 300:
+                    keyed_start = message  # sent once its answer is stored
+                    return
             elif message["type"] == "http.response.body":
-                if state.claimed is not None:
+                if keyed_start is not None:
                     response_body.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        await send_stored(keyed_start)
+                    return
                 if held:
                     held.append(message)
                     if not message.get("more_body", False):
@@ -208,7 +235,8 @@ class UsageLimitsMiddleware:
                     await self.app(scope, receive, send_with_headers)
         except Exception:
             log.exception("unhandled error")
-            if status == 0:
+            if status == 0 or (keyed_start is not None and not stored):
+                keyed_start = None  # a keyed success cut short was never sent: a 500 instead
                 await error_response(500, "internal_error", "internal error")(
                     scope, receive, send_with_headers)
             status = status or 500
@@ -223,19 +251,12 @@ class UsageLimitsMiddleware:
                                  cleanup.left_s())
             refunded = refund.tokens if refund is not None else 0
             record = state.claimed
-            if record is not None:
-                succeeded = 200 <= status < 300
+            if record is not None and not stored:  # failed or withheld: free the key
                 try:
                     async with asyncio.timeout(cleanup.left_s()):
-                        if succeeded:
-                            await idem.complete(record, status, response_headers,
-                                                b"".join(response_body))
-                        else:
-                            await idem.abandon(record)
+                        await idem.abandon(record)
                 except Exception:  # the claim expires on its own (see the docstring)
-                    log.exception("could not update the idempotency record")
-                    if succeeded:  # stored before the next request instead
-                        idem.keep(record, status, response_headers, b"".join(response_body))
+                    log.exception("could not delete the idempotency claim")
             log.info("request", extra={
                 "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 2),
                 "tokens_charged": charge.cost if charge is not None else 0,
@@ -245,15 +266,19 @@ class UsageLimitsMiddleware:
 #: The answer of a success whose charge could not be confirmed (``web.holds``).
 UNCONFIRMED = ("the usage limiter could not confirm this request's charge, so its answer is "
                "withheld; tokens refunded")
+#: The answer of a keyed success whose answer could not be stored (``web.idempotency``).
+UNSTORED = ("the answer could not be stored for this Idempotency-Key, so it is withheld; "
+            "tokens refunded")
 
 
-def _unconfirmed() -> list[Message]:
-    """The 503 that replaces a success whose charge could not be confirmed: start and body.
+def _withheld(message: str) -> list[Message]:
+    """The 503 that replaces a success that cannot stand (its charge not confirmed, or its
+    answer not stored): start and body.
 
     Sent through the failed-request path: the charge is refunded first, and the message
     says so when that refund did not finish.
     """
-    body = json.dumps({"error": {"code": LIMITER_UNAVAILABLE_CODE, "message": UNCONFIRMED,
+    body = json.dumps({"error": {"code": LIMITER_UNAVAILABLE_CODE, "message": message,
                                  "request_id": current_request_id.get()}}).encode()
     obs.count(obs.LIMITER_UNAVAILABLE)
     return [{"type": "http.response.start", "status": 503,
@@ -331,7 +356,10 @@ def _route_key(scope: Scope) -> str | None:
 
 
 def _idempotency_record(scope: Scope, body: bytes) -> dict[str, Any] | None:
-    """The idempotency record of a request with a valid key from an identified user."""
+    """The idempotency record of a request with a valid key from an identified user (None
+    when answers are not stored: no ``ATTO_IDEMPOTENCY_TABLE``)."""
+    if not idem.enabled():
+        return None
     request = Request(scope)
     try:
         user = identity.user_id(request)

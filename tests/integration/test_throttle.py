@@ -465,14 +465,16 @@ async def test_standalone_waiters_are_woken_by_pub_sub(standalone_client: Any, u
 
 
 async def test_jitter_allowance_spaces_slots_for_late_dispatch(client: Any, uid: str) -> None:
-    """With a dispatch allowance, slots are (per_s + jitter_s) / rate apart, so calls that
-    leave up to jitter_s late still fit the provider's window."""
+    """With a dispatch allowance, slots are at least (per_s + jitter_s) / rate apart, so calls
+    that leave up to jitter_s late still fit the provider's window."""
     th = ProviderThrottle(client, uid, rate=5, burst=1, jitter_s=0.05)
     await th.pause(0.1)
     got = sorted(await asyncio.gather(*(th.admit(max_wait_s=3) for _ in range(6))),
                  key=lambda a: a.seq)
     gaps = [b.slot_at - a.slot_at for a, b in zip(got, got[1:], strict=False)]
-    assert all(g == pytest.approx(1.05 / 5, abs=EPS) for g in gaps)
+    # A queued caller that asks for its slot late (a busy host) books it late: never closer.
+    assert all(g >= 1.05 / 5 - EPS for g in gaps), gaps
+    assert min(gaps) == pytest.approx(1.05 / 5, abs=EPS)
     # Worst case for the provider: the first call leaves jitter_s late, the sixth on time.
     assert (got[5].slot_at) - (got[0].slot_at + 0.05) >= 1.0 - EPS
 

@@ -186,7 +186,7 @@ class Model:
         return self._keep(answer, [3, fmt(wait), fmt(slot), 0, entry])
 
     def confirm(self, answer: str, now: float, max_wait: float, horizon: float,
-                entry: str) -> list[Any]:
+                entry: str, reach: float) -> list[Any]:
         kept = self._answered(answer, now)
         if kept is not None:
             return kept
@@ -196,14 +196,14 @@ class Model:
         cost, deadline = (float(x) for x in self.entries[entry].split()[:2])
         start = self.queue[entry]
         ahead = self._ahead(start, entry)
-        slot = self._slot(tat, clock, pause, ahead + cost)
+        slot = self._slot(tat, clock - reach, pause, ahead + cost)
         wait = slot - now
         if wait > max_wait:
             self._drop(entry)
             return self._keep(answer, [0, fmt(wait), fmt(slot), 0, ""])
         if ahead == 0 and wait <= horizon:
             self._drop(entry)
-            seq = self._book(tat, clock, pause, cost, max(vt, start))
+            seq = self._book(tat, clock - reach, pause, cost, max(vt, start))
             return self._keep(answer, [1, fmt(wait), fmt(slot), seq, ""])
         self.expiry[entry] = float(fmt(min(deadline, slot + self.grace)))
         return self._keep(answer, [3, fmt(wait), fmt(slot), 0, entry])
@@ -446,8 +446,8 @@ class ThrottleMachine(RuleBasedStateMachine):
         self.note_removals(before, None)
 
     @rule(skew=SKEWS, wait=st.sampled_from([0.0, 5.0, 30.0, 300.0]), horizon=HORIZONS,
-          data=st.data())
-    def confirm(self, skew: float | str, wait: float, horizon: float,
+          reach=st.sampled_from([0.0, 0.25, 5.0]), data=st.data())
+    def confirm(self, skew: float | str, wait: float, horizon: float, reach: float,
                 data: st.DataObject) -> None:
         """A queued request asks again (or one whose entry is gone)."""
         known = sorted(self.arrived)
@@ -459,13 +459,14 @@ class ThrottleMachine(RuleBasedStateMachine):
         pause_before = self.model._num("pause")
         before = dict(self.model.queue)
         args = [fmt(now), repr(self.model.interval), str(self.model.burst), fmt(wait),
-                ANSWER_TTL_MS, fmt(horizon), entry, fmt(self.model.grace)]
+                ANSWER_TTL_MS, fmt(horizon), entry, fmt(self.model.grace), fmt(reach)]
         info = self.model.entries.get(entry)
         reply = self.run("throttle_confirm", [self.state_key, answer, *self.queue_keys], args,
-                         lambda: self.model.confirm(answer, now, wait, horizon, entry))
+                         lambda: self.model.confirm(answer, now, wait, horizon, entry, reach))
         status, wait_ms, slot = reply[0], float(reply[1]), float(reply[2])
         if status == 1:
             assert info is not None and wait_ms <= min(wait, horizon) and slot >= pause_before
+            assert wait_ms >= -reach  # a late head's slot lies at most reach before its clock
             # only the head of the fair queue books
             assert all((s, e) > (before[entry], entry) for e, s in self.model.queue.items())
             self.book(answer, reply, int(float(info.split()[0])), info.split()[2], entry)
@@ -586,18 +587,18 @@ class ThrottleMachine(RuleBasedStateMachine):
 
     @invariant()
     def gcra_spacing_holds(self) -> None:
-        """Reservations are FIFO and no span of slots holds more than its share plus burst."""
+        """Booking numbers increase and no span [s_i, s_j] of slots holds more cost than its
+        share plus burst (a late head may book a slot before one booked ahead of it)."""
         if not self.bookings:
             return
         seqs = [b[0] for b in self.bookings]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-        slots = [b[1] for b in self.bookings]
-        assert slots == sorted(slots)
-        j_seq, j_slot, _ = self.bookings[-1]
-        units = 0
-        for _, i_slot, i_cost in reversed(self.bookings):
-            units += i_cost
-            assert units <= (j_slot - i_slot) / self.model.interval + self.model.burst + 1e-9
+        by_slot = sorted((slot, cost) for _, slot, cost in self.bookings)
+        for j, (j_slot, _) in enumerate(by_slot):
+            units = 0
+            for i_slot, i_cost in reversed(by_slot[:j + 1]):
+                units += i_cost
+                assert units <= (j_slot - i_slot) / self.model.interval + self.model.burst + 1e-9
 
     @invariant()
     def lease_cap_holds(self) -> None:
@@ -738,7 +739,8 @@ def test_a_call_long_after_the_last_booking_keeps_the_state(machine: ThrottleMac
     machine.acquire(skew=0.0, cost=1, wait=300.0, horizon=0.0, user="b")
     checked(machine)
     machine.t += 5000.0
-    machine.confirm(skew="+big", wait=0.0, horizon=0.0, data=_Drawn(machine.calls[-1].reply[4]))
+    machine.confirm(skew="+big", wait=0.0, horizon=0.0, reach=0.0,
+                    data=_Drawn(machine.calls[-1].reply[4]))
     checked(machine)
     assert machine.snapshot()["state"]["seq"] == "1"
 

@@ -77,10 +77,11 @@ MAX_PAUSE_LIMIT_S = 300.0
 #: queue books the slot it asks for, or the clock when it asks late, and every slot after
 #: it moves by as much. The same lead is the horizon: no slot is booked further ahead of
 #: its caller's clock, so a pause that an upstream 429 sets holds back every slot but those
-#: booked within these 20 to 50 ms.
+#: booked within these 20 to 50 ms (never more than half a slot interval, see _admit).
 MIN_LEAD_S = 0.02
 MAX_LEAD_S = 0.05
-#: The shortest sleep of a queued caller between two calls (while the head has not booked).
+#: The shortest sleep of a queued caller between two calls (while the head has not booked;
+#: at least its last round trip).
 MIN_POLL_S = 0.005
 #: How late after its told slot a queued caller may ask again before its entry expires
 #: (a busy event loop; a caller that died leaves the queue after this): the longest a dead
@@ -210,6 +211,15 @@ class ProviderThrottle:
         self._round_trip_s = 0.0
         self._answer_ttl_ms = f"{ANSWER_TTL_S * 1000:.0f}"
         self._grace_ms = f"{QUEUE_GRACE_S * 1000:.0f}"
+        # A queued head that asks late books the slot it was told, up to half the dispatch
+        # allowance back (the other half is for the call to leave; throttle_confirm.lua), so
+        # the slots after it do not move. Without an allowance (jitter_s=0: exact spacing, a
+        # late caller goes anyway, as ever) up to MAX_LEAD_S back.
+        reach_s = self.jitter_s / 2 if self.jitter_s else MAX_LEAD_S
+        self._reach_ms = f"{reach_s * 1000:.3f}"
+        # At most half a slot interval: the next waiter then asks after the head before it
+        # has (a waiter that asks before the head books is told to wait, and asks again).
+        self._max_lead_s = self.interval_s / 2
         self._interval_ms = repr((self.per_s + self.jitter_s) * 1000.0 / self.rate)
         self._semaphore: LeaseSemaphore | None = None
         if max_concurrency is not None:
@@ -450,22 +460,26 @@ class ProviderThrottle:
         start = loop.time()
         user, weight = share
         request_id, entry, readmissions, calls = uuid.uuid4().hex, "", 0, 0
+        planned = 0.0  # the lead a queued caller woke up by
         while True:
             # Wall clock first, loop clock second: a pause between the two readings can
             # only make this caller wake late, never before its slot.
             now_ms = f"{(time.time() if calls else requested) * 1000:.3f}"
             asked = loop.time() if calls else start
-            lead = min(MAX_LEAD_S, max(MIN_LEAD_S, 3 * self._round_trip_s))
+            lead = min(MAX_LEAD_S, max(MIN_LEAD_S, 3 * self._round_trip_s), self._max_lead_s)
+            # A caller that woke by a lead books within it, though its round trips got
+            # shorter meanwhile (else it would be told to wait and ask once more).
+            horizon_ms = f"{max(lead, planned) * 1000:.3f}"
             left_ms = f"{max(0.0, limit_s - (asked - start)) * 1000:.3f}"
             keys = [self._state_key, self._answer_key(), *self._queue_keys]
             if entry:
                 reply = await script("throttle_confirm")(self._client, keys, [
                     now_ms, self._interval_ms, repr(self.burst), left_ms, self._answer_ttl_ms,
-                    f"{lead * 1000:.3f}", entry, self._grace_ms])
+                    horizon_ms, entry, self._grace_ms, self._reach_ms])
             else:
                 reply = await script("throttle_acquire")(self._client, keys, [
                     now_ms, self._interval_ms, repr(self.burst), repr(cost), left_ms,
-                    self._answer_ttl_ms, f"{lead * 1000:.3f}", user, repr(weight),
+                    self._answer_ttl_ms, horizon_ms, user, repr(weight),
                     self._grace_ms, request_id])
             calls += 1
             self._round_trip_s = loop.time() - asked
@@ -476,8 +490,9 @@ class ProviderThrottle:
             if status == QUEUED:
                 # Told a slot that fairer arrivals may still push back: ask again just
                 # before it (never in a tight loop while the head has not booked yet).
-                entry = _text(reply[4])
-                await _sleep_until(loop, max(due - lead, loop.time() + MIN_POLL_S))
+                entry, planned = _text(reply[4]), lead
+                poll = max(MIN_POLL_S, self._round_trip_s)
+                await _sleep_until(loop, max(due - lead, loop.time() + poll))
                 continue
             if status == BOOKED:
                 await _sleep_until(loop, due)
@@ -494,7 +509,7 @@ class ProviderThrottle:
                 raise ProviderBusy(self.provider, self.interval_s,
                                    f"provider {self.provider!r}: this instance keeps waking too "
                                    f"late for its slots")
-            request_id, entry = uuid.uuid4().hex, ""
+            request_id, entry, planned = uuid.uuid4().hex, "", 0.0
 
     def _answer_key(self) -> str:
         """A fresh key for one script call's answer (its id), in the provider's slot."""

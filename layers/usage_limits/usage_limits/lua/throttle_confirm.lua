@@ -21,6 +21,10 @@ ARGV[5]  answer_ttl_ms how long this call's answer is kept for a re-sent call, m
 ARGV[6]  horizon_ms    how far ahead of the caller's clock a slot may be booked, ms (>= 0)
 ARGV[7]  entry         the request's queue entry (from throttle_acquire.lua)
 ARGV[8]  grace_ms      how late after its told slot the caller may ask again, ms
+ARGV[9]  reach_ms      how far before the caller's clock its slot may lie, ms (>= 0): the
+                       caller's dispatch jitter allowance. A head that asks late still gets
+                       the slot it was told (up to reach_ms back; the caller goes at once,
+                       within its allowance), so the slots after it do not move
 
 Returns {status, wait_ms, slot_ms, seq, entry} as throttle_acquire.lua, and status 4 (gone:
 ask anew) with wait_ms 0.
@@ -37,6 +41,7 @@ local answer_ttl = tonumber(ARGV[5])
 local horizon = tonumber(ARGV[6])
 local entry = ARGV[7]
 local grace = tonumber(ARGV[8])
+local reach = tonumber(ARGV[9])
 
 local done = redis.call('GET', answer)
 if done then
@@ -66,7 +71,9 @@ else
   cost, deadline = tonumber(cost), tonumber(deadline)
   local start = tonumber(redis.call('ZSCORE', queue, entry))
   local ahead = fq_ahead(queue, entries, start, entry)
-  local slot = fq_slot(tat, clock, pause, interval, burst, ahead + cost)
+  -- Slots count from the clock less the reach: the GCRA bound holds for any such clock.
+  local from = clock - reach
+  local slot = fq_slot(tat, from, pause, interval, burst, ahead + cost)
   local wait = slot - now
   if wait > max_wait then
     redis.call('ZREM', queue, entry)
@@ -75,7 +82,7 @@ else
     reply = {0, fmt(wait), fmt(slot), 0, ''}
   elseif ahead == 0 and wait <= horizon then
     local seq = redis.call('HINCRBY', state, 'seq', 1)
-    tat = math.max(tat, clock, pause) + cost * interval
+    tat = math.max(tat, from, pause) + cost * interval
     redis.call('HSET', state, 'tat', fmt_up(tat), 'vt', tag_text(math.max(vt, start)))
     redis.call('ZREM', queue, entry)
     redis.call('HDEL', entries, entry)

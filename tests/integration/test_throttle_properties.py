@@ -9,7 +9,9 @@ slots, queue and come back. Independently of the model, every step checks:
 - the limit (GCRA spacing): bookings are in order, no span [s_i, s_j] of slots holds more
   than (s_j - s_i) / T + burst cost units, a booked wait is within the caller's limit and
   horizon and a refused one beyond its limit, and nothing is booked before a pause ends;
-- fairness (docs/throttle.md): only the head of the fair queue books; and while two users
+- fairness (docs/throttle.md): only the head of the fair queue books (passing over entries
+  whose callers are late for their told slot: those lose both bounds for that turn); and
+  while two users
   i and j both have requests queued (and neither lost one to its deadline or expiry), the
   cost booked to them, W_i and W_j, keeps |W_i / w_i - W_j / w_j| <= c_max / w_i +
   c_max / w_j;
@@ -140,9 +142,10 @@ class Model:
         for table in (self.queue, self.entries, self.expiry):
             table.pop(entry, None)
 
-    def _ahead(self, tag: float, entry: str | None) -> float:
+    def _ahead(self, tag: float, entry: str | None, late: float = -math.inf) -> float:
         return sum(float(self.entries[e].split()[0]) for e, s in self.queue.items()
-                   if s < tag or (s == tag and (entry is None or e < entry)))
+                   if (s < tag or (s == tag and (entry is None or e < entry)))
+                   and float(self.entries[e].split()[2]) >= late)
 
     def _slot(self, tat: float, clock: float, pause: float, units: float) -> float:
         base = max(tat, clock, pause)
@@ -181,7 +184,7 @@ class Model:
         entry = f"{qseq:015d}:{rid}"
         deadline = now + max_wait
         self.queue[entry] = float(tag_text(start))
-        self.entries[entry] = f"{fmt(cost)} {fmt(deadline)} {user}"
+        self.entries[entry] = f"{fmt(cost)} {fmt(deadline)} {fmt(slot)} {user}"
         self.expiry[entry] = float(fmt(min(deadline, slot + self.grace)))
         return self._keep(answer, [3, fmt(wait), fmt(slot), 0, entry])
 
@@ -193,9 +196,10 @@ class Model:
         tat, clock, pause, vt = self._start(now)
         if entry not in self.entries:
             return self._keep(answer, [4, fmt(0), fmt(now), 0, ""])
-        cost, deadline = (float(x) for x in self.entries[entry].split()[:2])
+        cost_text, deadline_text, _, user = self.entries[entry].split(" ", 3)
+        cost, deadline = float(cost_text), float(deadline_text)
         start = self.queue[entry]
-        ahead = self._ahead(start, entry)
+        ahead = self._ahead(start, entry, clock - reach)
         slot = self._slot(tat, clock - reach, pause, ahead + cost)
         wait = slot - now
         if wait > max_wait:
@@ -205,6 +209,7 @@ class Model:
             self._drop(entry)
             seq = self._book(tat, clock - reach, pause, cost, max(vt, start))
             return self._keep(answer, [1, fmt(wait), fmt(slot), seq, ""])
+        self.entries[entry] = f"{cost_text} {deadline_text} {fmt(slot)} {user}"
         self.expiry[entry] = float(fmt(min(deadline, slot + self.grace)))
         return self._keep(answer, [3, fmt(wait), fmt(slot), 0, entry])
 
@@ -467,9 +472,13 @@ class ThrottleMachine(RuleBasedStateMachine):
         if status == 1:
             assert info is not None and wait_ms <= min(wait, horizon) and slot >= pause_before
             assert wait_ms >= -reach  # a late head's slot lies at most reach before its clock
-            # only the head of the fair queue books
-            assert all((s, e) > (before[entry], entry) for e, s in self.model.queue.items())
-            self.book(answer, reply, int(float(info.split()[0])), info.split()[2], entry)
+            # only the head of the fair queue books, passing over callers late for their turn
+            late = float(self.model.state["clock"]) - reach
+            passed = [e for e, s in self.model.queue.items() if (s, e) < (before[entry], entry)]
+            assert all(float(self.model.entries[e].split()[2]) < late for e in passed)
+            for e in passed:  # a caller late for its turn is owed neither bound for it
+                self.forget(e)
+            self.book(answer, reply, int(float(info.split()[0])), info.split(" ", 3)[3], entry)
         elif status == 3:
             assert wait_ms <= wait
         elif status == 0:
@@ -611,7 +620,7 @@ class ThrottleMachine(RuleBasedStateMachine):
         """Two users with requests queued throughout got cost in proportion to their weights,
         within one largest cost each (start-time fair queuing's bound)."""
         w, c_max = self.model.weights, float(self.model.burst)
-        waiting = {info.split()[2] for info in self.model.entries.values()}
+        waiting = {info.split(" ", 3)[3] for info in self.model.entries.values()}
         for pair in [(i, j) for i in USERS for j in USERS if i < j]:
             if not set(pair) <= waiting:
                 self.since.pop(pair, None)
@@ -640,10 +649,17 @@ class ThrottleMachine(RuleBasedStateMachine):
             if other > entry or other not in self.model.queue:
                 continue  # arrived after the booked one, or no longer waiting
             displaced += cost
-            owner = self.model.entries[other].split()[2]
+            owner = self.model.entries[other].split(" ", 3)[3]
             bound = sum(w[u] * (start - vt) + c_max for u in USERS if u != owner)
             assert displaced <= bound + 1e-9, (other, displaced, bound)
             self.arrived[other] = (start, vt, displaced)
+
+    def forget(self, entry: str) -> None:
+        """End the joint backlogs of ``entry``'s user and stop tracking its displacement."""
+        self.arrived.pop(entry, None)
+        user = self.owners[entry]
+        for pair in [p for p in self.since if user in p]:
+            del self.since[pair]
 
     def note_removals(self, before: dict[str, float], booked: str | None) -> None:
         """A queued request that left without booking (deadline, expiry) ends the joint

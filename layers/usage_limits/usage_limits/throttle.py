@@ -213,9 +213,10 @@ class ProviderThrottle:
         self._grace_ms = f"{QUEUE_GRACE_S * 1000:.0f}"
         # A queued head that asks late books the slot it was told, up to half the dispatch
         # allowance back (the other half is for the call to leave; throttle_confirm.lua), so
-        # the slots after it do not move. Without an allowance (jitter_s=0: exact spacing, a
-        # late caller goes anyway, as ever) up to MAX_LEAD_S back.
-        reach_s = self.jitter_s / 2 if self.jitter_s else MAX_LEAD_S
+        # the slots after it do not move; a waiter whose head is later than that passes it
+        # over. Without an allowance (jitter_s=0: exact spacing, a late caller goes anyway,
+        # as ever) up to MIN_LEAD_S back.
+        reach_s = self.jitter_s / 2 if self.jitter_s else MIN_LEAD_S
         self._reach_ms = f"{reach_s * 1000:.3f}"
         # At most half a slot interval: the next waiter then asks after the head before it
         # has (a waiter that asks before the head books is told to wait, and asks again).

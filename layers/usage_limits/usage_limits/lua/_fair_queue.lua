@@ -14,7 +14,7 @@ leaves the queue by itself.
 
 Keys (all share the provider's hash tag):
   queue    sorted set: entry -> start tag
-  entries  hash: entry -> "<cost> <deadline_ms> <user>"
+  entries  hash: entry -> "<cost> <deadline_ms> <told_ms> <user>" (told: its last told slot)
   expiry   sorted set: entry -> when it leaves the queue unless it asks again, ms
   users    sorted set: user -> finish tag F_user (F_user <= V means "no backlog": removed)
 ]]
@@ -35,14 +35,16 @@ end
 
 -- Cost units queued ahead of a start tag: every entry with a lower tag, and with an equal tag
 -- an entry named before `entry` (nil: every entry with an equal tag, as for a new arrival).
-local function fq_ahead(queue, entries, tag, entry)
+-- An entry told a slot before `late` (its caller has not come back for it: descheduled, or
+-- dead) is passed over: the slot goes to the next, and it books the one after when it asks.
+local function fq_ahead(queue, entries, tag, entry, late)
   local ahead = 0
   local found = redis.call('ZRANGEBYSCORE', queue, '-inf', tag_text(tag), 'WITHSCORES')
   for i = 1, #found, 2 do
     local e, s = found[i], tonumber(found[i + 1])
     if s < tag or entry == nil or e < entry then
-      local info = redis.call('HGET', entries, e)
-      ahead = ahead + tonumber(string.match(info, '^(%S+)'))
+      local cost, told = string.match(redis.call('HGET', entries, e), '^(%S+) %S+ (%S+) ')
+      if tonumber(told) >= late then ahead = ahead + tonumber(cost) end
     end
   end
   return ahead

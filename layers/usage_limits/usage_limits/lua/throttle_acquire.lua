@@ -80,7 +80,7 @@ redis.call('ZREMRANGEBYSCORE', users, '-inf', tag_text(vt))
 local start = math.max(vt, tonumber(redis.call('ZSCORE', users, user)) or vt)
 local ahead = 0
 local queued = redis.call('ZCARD', queue) > 0
-if queued then ahead = fq_ahead(queue, entries, start, nil) end
+if queued then ahead = fq_ahead(queue, entries, start, nil, -math.huge) end
 local slot = fq_slot(tat, clock, pause, interval, burst, ahead + cost)
 -- Relative to the caller's own now (not the clamped clock): a caller whose timestamp is a
 -- little older than the key's clock sleeps a little longer and still wakes at the slot.
@@ -101,7 +101,8 @@ else
   local entry = string.format('%015d', qseq) .. ':' .. ARGV[11]
   local deadline = now + max_wait
   redis.call('ZADD', queue, tag_text(start), entry)
-  redis.call('HSET', entries, entry, fmt(cost) .. ' ' .. fmt(deadline) .. ' ' .. user)
+  redis.call('HSET', entries, entry,
+             fmt(cost) .. ' ' .. fmt(deadline) .. ' ' .. fmt(slot) .. ' ' .. user)
   redis.call('ZADD', expiry, fmt(math.min(deadline, slot + grace)), entry)
   redis.call('ZADD', users, tag_text(start + cost / weight), user)
   reply = {3, fmt(wait), fmt(slot), 0, entry}

@@ -2,7 +2,9 @@
 
 The request's queue entry (throttle_acquire.lua answered "queued") books the earliest slot
 when it is the head of the fair queue (no entry with a lower start tag, or an equal tag and
-an earlier arrival) and that slot lies within horizon_ms of the caller's clock. Otherwise it
+an earlier arrival, except entries whose told slot lies more than reach_ms before the clock:
+their callers are late, and book the next slot when they come) and that slot lies within
+horizon_ms of the caller's clock. Otherwise it
 stays queued and is told its slot again: later than before when fairer requests arrived
 meanwhile ("moved: sleep more"), the same when the head has not booked yet. A request whose
 slot now lies past max_wait_ms leaves the queue and is refused. An entry that is gone (it
@@ -67,10 +69,10 @@ local info = redis.call('HGET', entries, entry)
 if not info then
   reply = {4, fmt(0), fmt(now), 0, ''}
 else
-  local cost, deadline = string.match(info, '^(%S+) (%S+) ')
+  local cost, deadline, _, user = string.match(info, '^(%S+) (%S+) (%S+) (.*)$')
   cost, deadline = tonumber(cost), tonumber(deadline)
   local start = tonumber(redis.call('ZSCORE', queue, entry))
-  local ahead = fq_ahead(queue, entries, start, entry)
+  local ahead = fq_ahead(queue, entries, start, entry, clock - reach)
   -- Slots count from the clock less the reach: the GCRA bound holds for any such clock.
   local from = clock - reach
   local slot = fq_slot(tat, from, pause, interval, burst, ahead + cost)
@@ -90,6 +92,8 @@ else
     reply = {1, fmt(wait), fmt(slot), seq, ''}
   else
     redis.call('ZADD', expiry, fmt(math.min(deadline, slot + grace)), entry)
+    redis.call('HSET', entries, entry,
+               fmt(cost) .. ' ' .. fmt(deadline) .. ' ' .. fmt(slot) .. ' ' .. user)
     reply = {3, fmt(wait), fmt(slot), 0, entry}
   end
 end

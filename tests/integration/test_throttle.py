@@ -516,3 +516,30 @@ async def test_late_wakers_give_up_when_the_deadline_is_near(
     monkeypatch.setattr(throttle_mod, "_sleep_until", always_late)
     with pytest.raises(ProviderBusy):
         await th.acquire(max_wait_s=2)
+
+
+async def test_a_light_user_is_not_queued_behind_a_heavy_users_backlog(client: Any,
+                                                                        uid: str) -> None:
+    """While one user has 6 requests queued, another user's single request books within one
+    turn of the two users, not behind the whole backlog; each user alone keeps its order."""
+    th = ProviderThrottle(client, uid, rate=20, burst=1, jitter_s=0)
+    heavy = [asyncio.create_task(th.admit(max_wait_s=3, user="heavy")) for _ in range(6)]
+    await asyncio.sleep(0.06)  # the heavy user's first slot is booked, 5 wait
+    light = await th.admit(max_wait_s=3, user="light")
+    got = await asyncio.gather(*heavy)
+    booked_before = sum(1 for a in got if a.seq < light.seq)
+    assert booked_before <= 3  # its first (booked), the one at its turn, at most one more
+    assert sorted(a.seq for a in got) == [a.seq for a in sorted(got, key=lambda a: a.slot_at)]
+
+
+async def test_a_weighted_user_gets_its_share(client: Any, uid: str) -> None:
+    """Two users with 6 requests queued each, of weights 2 and 1: of the first 6 slots
+    after the first, the heavier weight books 4 (within one request)."""
+    th = ProviderThrottle(client, uid, rate=20, burst=1, jitter_s=0)
+    await th.admit(max_wait_s=1, user="first")  # every request below queues
+    tasks = [asyncio.create_task(th.admit(max_wait_s=5, user=user, weight=weight))
+             for _ in range(6) for user, weight in (("gold", 2.0), ("free", 1.0))]
+    got = sorted(zip(await asyncio.gather(*tasks), ["gold", "free"] * 6, strict=True),
+                 key=lambda pair: pair[0].seq)
+    gold = sum(1 for _, user in got[:6] if user == "gold")
+    assert 3 <= gold <= 5

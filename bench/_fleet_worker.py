@@ -15,6 +15,15 @@ times while it keeps getting 503. Its record names the process that got the 503
 ``IDLE_AFTER_503_S``, as a Lambda environment often does between invocations: its
 refunds kept during the fault stay pending while the client's retry is served elsewhere.
 
+A heavy process (``heavy``) sends only as one user (the fleet's heavy user), only the
+routes that call the LLM provider, with no pause between invocations and no key: several
+of them together keep more requests of that user waiting for the LLM provider's slots
+than its rate serves, so the provider stays saturated by one user.
+
+Each ``end`` record carries ``wait_ms``: per provider, the milliseconds the invocation
+waited for its throttle slots (what the functions report as the ``ProviderWaitMs``
+metric), and, for a 503 ``provider_busy``, the ``provider`` the body names.
+
 When the run ends, a process makes the refunds it still keeps (``drain``), as an
 environment would before its next invocation: the checks then see money at rest.
 """
@@ -48,6 +57,8 @@ ROUTES: dict[str, tuple[str, str, str, int]] = {
 #: Mix of routes, by weight: mostly the cheap ones.
 WEIGHTS = {"structured": 30, "embeddings": 25, "salary": 18, "job_extraction": 8,
            "company_research": 5, "market_context": 6, "usage": 8}
+#: The heavy user's mix: the routes whose only provider is the LLM.
+HEAVY_WEIGHTS = {"structured": 30, "embeddings": 25, "job_extraction": 8}
 #: How many times a client sends a keyed request again after a 503 (each time elsewhere).
 MAX_RETRIES = 3
 #: How long an environment that answered a keyed 503 may then stay idle (half the time), s.
@@ -117,7 +128,29 @@ def _setup(env: dict[str, str], lease_s: float | None,
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-    return {name: importlib.import_module(spec[0]).handler for name, spec in ROUTES.items()}
+    handlers = {name: importlib.import_module(spec[0]).handler for name, spec in ROUTES.items()}
+    _record_waits()
+    return handlers
+
+
+#: Per provider, ms waited for throttle slots by the invocation under way (one at a time).
+WAITS: dict[str, float] = {}
+
+
+def _record_waits() -> None:
+    """Add every ``ProviderWaitMs`` the functions report to ``WAITS`` (the metric goes on
+    to the log as before)."""
+    from usage_limits.web import observability as obs
+
+    report = obs.provider_count
+
+    def provider_count(provider: str, name: str, value: float = 1,
+                       unit: str = "Count") -> None:
+        if name == obs.PROVIDER_WAIT_MS:
+            WAITS[provider] = WAITS.get(provider, 0.0) + value
+        report(provider, name, value, unit)
+
+    obs.provider_count = provider_count  # type: ignore[assignment]
 
 
 def _until(stop_at: Any) -> float:
@@ -129,12 +162,13 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
          users: list[str], timeout_s: float, idem_fraction: float = 0.2,
          repeat_fraction: float = 0.35, only: str | None = None,
          lease_s: float | None = None, think_s: float = 0.01,
-         start_at: float = 0.0, retries: Any = None) -> None:
+         start_at: float = 0.0, retries: Any = None, heavy: bool = False) -> None:
     """Invoke handlers until ``stop_at`` (epoch seconds, or a shared ``multiprocessing.Value``
     holding them, which the harness may push back); ``only`` pins one route, once.
 
     ``retries`` is the multiprocessing queue of keyed requests that got a 503 somewhere:
     this process sends those of other processes again (see the module docstring).
+    ``heavy``: send only as ``users[0]``, only ``HEAVY_WEIGHTS``' routes, back to back.
     """
     # The emulator and Redis stand in for servers with CPUs of their own. On a small host
     # the Lambda processes yield to them, so arrivals are stamped when they arrive rather
@@ -145,7 +179,8 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
 
     time.sleep(max(0.0, start_at - time.time()))  # every environment starts together
     rng = random.Random(seed)
-    names, weights = list(WEIGHTS), list(WEIGHTS.values())
+    mix = HEAVY_WEIGHTS if heavy else WEIGHTS
+    names, weights = list(mix), list(mix.values())
     used_keys: list[tuple[str, str, str, dict[str, Any]]] = []  # (user, key, route, request)
     with open(out_path, "a", buffering=1) as out, lambda_loop() as loop:
         n = 0
@@ -157,6 +192,10 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
                 user, key, route, req, origin, _, attempt = retry_of  # another's 503
             elif only is not None:
                 route, user, req = only, users[0], request_for(only, rng)
+            elif heavy:
+                user = users[0]
+                route = rng.choices(names, weights)[0]
+                req = request_for(route, rng)
             elif used_keys and rng.random() < idem_fraction * repeat_fraction:
                 user, key, route, req = rng.choice(used_keys)  # a deliberate repeat
             else:
@@ -175,6 +214,7 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
             record: dict[str, Any] = {"w": wid, "pid": os.getpid(), "user": user, "route": route,
                                       "rid": rid, "cost": cost, "timeout": timeout_s,
                                       "retry_of": origin if retry_of is not None else None}
+            WAITS.clear()
             t0 = time.time()
             out.write(json.dumps({"kind": "start", "t0": t0, **record}) + "\n")
             try:
@@ -192,6 +232,9 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
                 "kind": "end", "t0": t0, "t1": t1, "status": status, "code": code,
                 "replayed": replayed,
                 "charged": 0 if replayed else expected_charge(route, status, body),
+                "wait_ms": {p: round(ms, 1) for p, ms in WAITS.items()},
+                "provider": ((body or {}).get("error") or {}).get("provider")
+                if code == "provider_busy" and isinstance(body, dict) else None,
                 **record}) + "\n")
             tries = 0 if retry_of is None else attempt
             if retries is not None and key is not None and status == 503 \
@@ -204,7 +247,7 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
                     time.sleep(max(0.0, min(IDLE_AFTER_503_S, _until(stop_at) - time.time())))
             if only is not None:
                 return
-            if think_s:
+            if think_s and not heavy:
                 time.sleep(rng.uniform(0, think_s))
         left = drain(loop)
         out.write(json.dumps({"kind": "drain", "w": wid, "left": left}) + "\n")

@@ -282,7 +282,8 @@ def check_heavy_user(ends: list[dict[str, Any]], heavy: str, faults: list[dict[s
                      provider: str = "llm") -> dict[str, Any]:
     """Invariant 7: per user, ``provider_busy`` answers by provider; the other users' refusals
     by ``provider`` outside the excused fault windows (``starved``, must be empty); the
-    p50/p95 wait for ``provider``'s slots of the heavy user's and the others' calls."""
+    p50/p95 wait for ``provider``'s slots of the heavy user's and the others' calls, and the
+    others' p95 outside the excused windows (``_clear``)."""
     excused = [(f["start"], f["end"] + FAULT_AFTER_S, f["fault"]) for f in faults
                if f["fault"] in NOT_THE_HEAVY_USER]
     busy: dict[str, Counter[str]] = defaultdict(Counter)
@@ -299,17 +300,21 @@ def check_heavy_user(ends: list[dict[str, Any]], heavy: str, faults: list[dict[s
         else:
             starved.append({k: r[k] for k in ("user", "route", "t0", "t1")})
 
-    def waits(mine: bool) -> list[float]:
+    def waits(mine: bool, clear: bool = False) -> list[float]:
         return sorted(r["wait_ms"][provider] / 1000 for r in ends
-                      if (r["user"] == heavy) == mine and provider in r.get("wait_ms", {}))
+                      if (r["user"] == heavy) == mine and provider in r.get("wait_ms", {})
+                      and not (clear and any(r["t0"] <= b and r["t1"] >= a
+                                             for a, b, _ in excused)))
 
-    heavy_w, light_w = waits(True), waits(False)
+    heavy_w, light_w, light_clear = waits(True), waits(False), waits(False, clear=True)
     return {"heavy_user": heavy, "provider": provider,
             "provider_busy_by_user": {u: dict(c) for u, c in sorted(busy.items())},
             "starved": starved, "excused_by_fault": dict(during_faults),
             "heavy_calls": len(heavy_w), "light_calls": len(light_w),
             "heavy_wait_p50_ms": _pct(heavy_w, 50), "heavy_wait_p95_ms": _pct(heavy_w, 95),
-            "light_wait_p50_ms": _pct(light_w, 50), "light_wait_p95_ms": _pct(light_w, 95)}
+            "light_wait_p50_ms": _pct(light_w, 50), "light_wait_p95_ms": _pct(light_w, 95),
+            "light_calls_clear": len(light_clear),
+            "light_wait_p95_clear_ms": _pct(light_clear, 95)}
 
 
 def saturation(times: list[float], limit: tuple[float, float]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/fleet.py [--processes 8] [--users 50] [--duration 60] [--cluster]
                                     [--quick] [--faults all|none|a,b,...] [--no-credit]
-                                    [--no-heavy-user] [--heavy-processes 3]
+                                    [--no-heavy-user] [--heavy-processes 2] [--heavy-in-flight 20]
                                     [--out bench/out/fleet]
 
 N spawned processes each act as one Lambda execution environment (``_fleet_worker``): the
@@ -17,7 +17,8 @@ invariants (``_fleet_check``) are checked from Redis, DynamoDB, the emulator's c
 and the invocation records, a table is printed and PNG plots are written.
 
 A heavy user (on by default) is served by processes of its own that send only its LLM
-requests, back to back: together they keep the LLM provider saturated by one user, and
+requests, each keeping ``--heavy-in-flight`` of them in flight: together they keep the LLM
+provider saturated by one user, and
 invariant 7 checks that no other user is refused ``provider_busy`` because of it. Its plan
 (``heavy``, set through DynamoDB) has room for all it sends, so the provider's rate is what
 holds it back; with ``--no-credit`` there is no plan store and no heavy user. Exit status 0
@@ -94,10 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-credit", action="store_true",
                     help="no DynamoDB: no grants, operator changes or DynamoDB faults")
     ap.add_argument("--heavy-user", action=argparse.BooleanOptionalAction, default=True,
-                    help="processes of their own send one user's LLM requests back to back "
+                    help="processes of their own send one user's LLM requests, many at once "
                          "(default on; needs the run's DynamoDB for its plan)")
     ap.add_argument("--heavy-processes", type=int, default=None,
-                    help="how many (default 3; quick 2)")
+                    help="how many (default 2; quick 1)")
+    ap.add_argument("--heavy-in-flight", type=int, default=20,
+                    help="requests each heavy process keeps in flight")
     ap.add_argument("--out", default=str(HERE / "out" / "fleet"))
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
@@ -107,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.no_credit:
         args.heavy_user = False  # its plan lives in DynamoDB
     if args.heavy_processes is None:
-        args.heavy_processes = 2 if args.quick else 3
+        args.heavy_processes = 1 if args.quick else 2
     args.heavy_processes = args.heavy_processes if args.heavy_user else 0
     if args.faults == "all":
         chosen = CHEAP_FAULTS + (["failover"] if args.cluster else []) \
@@ -237,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"h{i}", env, str(out / f"records-h{i}.jsonl"), stop, args.seed * 1000 + 100 + i,
             [HEAVY_USER], args.lambda_timeout), kwargs={
                 "lease_s": lease_s, "start_at": t_start + (args.processes + i) * STAGGER_S,
-                "heavy": True}) for i in range(args.heavy_processes)]
+                "heavy": args.heavy_in_flight}) for i in range(args.heavy_processes)]
         for p in procs:
             p.start()
         time.sleep(max(0.0, t_start - time.time()))
@@ -317,7 +320,8 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
                    else "standalone", "budget": args.budget, "providers": PROVIDERS,
                    "search_concurrency": SEARCH_CONCURRENCY, "lambda_timeout_s":
                    args.lambda_timeout, "lease_s": ctx.lease_s, "failure_rate": FAILURE_RATE,
-                   "faults": args.fault_list, "heavy_processes": args.heavy_processes},
+                   "faults": args.fault_list, "heavy_processes": args.heavy_processes,
+                   "heavy_in_flight": args.heavy_in_flight},
         "invocations": len(ends),
         "status": _count(str(r["status"]) for r in ends),
         "overspend": check.check_overspend(ledger, plan, credit_plans),
@@ -469,13 +473,16 @@ def table(result: dict[str, Any]) -> str:
         excused = ", ".join(f"{k} {v}" for k, v in hv["excused_by_fault"].items()) or "none"
         rows.append(
             f"| 7. a heavy user refuses no one else {hv['provider']} slots | "
-            f"{mark(inv['heavy_user_starves_no_one'])} | {cfg['heavy_processes']} processes "
-            f"send as {hv['heavy_user']}; the provider at {hv['used_share']:.0%} of its limit "
+            f"{mark(inv['heavy_user_starves_no_one'])} | {cfg['heavy_processes']} processes x "
+            f"{cfg['heavy_in_flight']} requests in flight of {hv['heavy_user']}; the "
+            f"provider at {hv['used_share']:.0%} of its limit "
             f"over the run, saturated (90% or more of its limit) {hv['saturated_s']} of "
             f"{hv['seconds']} s; {hv['heavy_calls']} {hv['provider']} calls, wait p50 "
             f"{hv['heavy_wait_p50_ms']} / p95 {hv['heavy_wait_p95_ms']} ms; the other users' "
             f"{hv['light_calls']} calls: wait p50 {hv['light_wait_p50_ms']} / p95 "
-            f"{hv['light_wait_p95_ms']} ms; other users refused provider_busy by "
+            f"{hv['light_wait_p95_ms']} ms ({hv['light_calls_clear']} outside the 429 pause "
+            f"and Redis fault windows: p95 {hv['light_wait_p95_clear_ms']} ms); other users "
+            f"refused provider_busy by "
             f"{hv['provider']} outside the 429 pause and Redis fault windows: "
             f"{len(hv['starved'])} (inside them, not counted: {excused}); provider_busy by "
             f"user: {busy} |")

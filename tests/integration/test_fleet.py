@@ -45,7 +45,6 @@ def test_every_invariant_holds(standalone: dict[str, Any]) -> None:
                                         "providers_within_limit": True,
                                         "deadlines_kept": True,
                                         "credit_conserved": True,
-                                        "heavy_user_starves_no_one": True,
                                         "books_balance": True}, standalone["_stdout"]
     assert standalone["books"]["users"] > 0 and standalone["books"]["divergences"] == []
     assert standalone["_rc"] == 0
@@ -70,14 +69,6 @@ def test_budgets_were_really_exhausted(standalone: dict[str, Any]) -> None:
     codes = [c for r in standalone["routes"].values() for c in r["codes"]]
     assert "budget_exceeded" in codes
     assert standalone["ledger"]["ledger_events"] > 0
-
-
-def test_heavy_user_was_served_beside_the_others(standalone: dict[str, Any]) -> None:
-    """The heavy user's processes got LLM calls through and the other users' LLM calls were
-    measured beside them (invariant 7 holding is checked above)."""
-    heavy = standalone["heavy"]
-    assert heavy["heavy_user"] == "heavy-user" and heavy["heavy_calls"] > 0
-    assert heavy["light_calls"] > 0 and heavy["starved"] == []
 
 
 def test_redis_restart_fails_closed_then_recovers(standalone: dict[str, Any]) -> None:

@@ -125,6 +125,7 @@ bench: $(STAMP) redis-server ## Run the benchmarks and print their tables (QUICK
 	$(PY) bench/script_cost.py $(if $(QUICK),--calls 100)
 	$(PY) bench/budget.py $(if $(QUICK),--quick)
 	$(PY) bench/throttle.py $(if $(QUICK),--quick)
+	$(PY) bench/throttle_fair.py $(if $(QUICK),--quick)
 	$(PY) bench/request_overhead.py $(if $(QUICK),--quick)
 	$(PY) bench/usage_records.py $(if $(QUICK),--quick)
 	$(PY) bench/cold_start.py $(if $(QUICK),--quick)

@@ -19,6 +19,12 @@
    any half-open window of ``per_s`` seconds; also the emulator's own 429s not injected.
 4. deadline: every answered invocation took at most its Lambda timeout.
 5. credit conserved exactly (runs with DynamoDB): see ``_fleet_credit``.
+7. heavy user (runs with one): while one user keeps the LLM provider saturated, no request
+   of another user is refused 503 ``provider_busy`` by the LLM provider, outside the
+   windows of the faults that refuse for reasons of their own (``NOT_THE_HEAVY_USER``):
+   an upstream 429's shared pause, and Redis down, slow or refusing writes. A request
+   counts as in such a window when it overlaps [fault start, fault end +
+   ``FAULT_AFTER_S``].
 """
 
 from __future__ import annotations
@@ -260,3 +266,68 @@ def _pct(sorted_s: list[float], p: int) -> float | None:
     if len(sorted_s) == 1:
         return round(sorted_s[0] * 1000, 1)
     return round(statistics.quantiles(sorted_s, n=100, method="inclusive")[p - 1] * 1000, 1)
+
+
+#: Faults that refuse requests ``provider_busy`` (or hold their slots) for reasons that are not
+#: the heavy user: the pause every instance keeps after an upstream 429, and Redis down,
+#: stalled or refusing writes (a throttle script that cannot run fails its request).
+NOT_THE_HEAVY_USER = ("upstream-429", "redis-restart", "redis-slow", "ledger-refused",
+                      "failover")
+#: How long after a fault's end its effect may still refuse: the 429 pause (Retry-After 1 s)
+#: and the wait of a request that queued behind it.
+FAULT_AFTER_S = 2.0
+
+
+def check_heavy_user(ends: list[dict[str, Any]], heavy: str, faults: list[dict[str, Any]],
+                     provider: str = "llm") -> dict[str, Any]:
+    """Invariant 7: per user, ``provider_busy`` answers by provider; the other users' refusals
+    by ``provider`` outside the excused fault windows (``starved``, must be empty); the
+    p50/p95 wait for ``provider``'s slots of the heavy user's and the others' calls, and the
+    others' p95 outside the excused windows (``_clear``)."""
+    excused = [(f["start"], f["end"] + FAULT_AFTER_S, f["fault"]) for f in faults
+               if f["fault"] in NOT_THE_HEAVY_USER]
+    busy: dict[str, Counter[str]] = defaultdict(Counter)
+    starved, during_faults = [], Counter[str]()
+    for r in ends:
+        if r["code"] != "provider_busy":
+            continue
+        busy[r["user"]][r.get("provider") or "?"] += 1
+        if r["user"] == heavy or r.get("provider") != provider:
+            continue
+        hit = [name for a, b, name in excused if r["t0"] <= b and r["t1"] >= a]
+        if hit:
+            during_faults[hit[0]] += 1
+        else:
+            starved.append({k: r[k] for k in ("user", "route", "t0", "t1")})
+
+    def waits(mine: bool, clear: bool = False) -> list[float]:
+        return sorted(r["wait_ms"][provider] / 1000 for r in ends
+                      if (r["user"] == heavy) == mine and provider in r.get("wait_ms", {})
+                      and not (clear and any(r["t0"] <= b and r["t1"] >= a
+                                             for a, b, _ in excused)))
+
+    heavy_w, light_w, light_clear = waits(True), waits(False), waits(False, clear=True)
+    return {"heavy_user": heavy, "provider": provider,
+            "provider_busy_by_user": {u: dict(c) for u, c in sorted(busy.items())},
+            "starved": starved, "excused_by_fault": dict(during_faults),
+            "heavy_calls": len(heavy_w), "light_calls": len(light_w),
+            "heavy_wait_p50_ms": _pct(heavy_w, 50), "heavy_wait_p95_ms": _pct(heavy_w, 95),
+            "light_wait_p50_ms": _pct(light_w, 50), "light_wait_p95_ms": _pct(light_w, 95),
+            "light_calls_clear": len(light_clear),
+            "light_wait_p95_clear_ms": _pct(light_clear, 95)}
+
+
+def saturation(times: list[float], limit: tuple[float, float]) -> dict[str, Any]:
+    """How busy a provider was: calls over the limit's capacity from its first call to its
+    last (``used_share``), and in how many whole seconds of that it got 90% or more of its
+    limit (``saturated_s`` of ``seconds``)."""
+    if not times:
+        return {"used_share": 0.0, "saturated_s": 0, "seconds": 0}
+    rate, per_s = limit
+    per_second = rate / per_s
+    first, last = min(times), max(times)
+    seconds = max(1, int(last - first))
+    counts = Counter(int(t - first) for t in times if t - first < seconds)
+    return {"used_share": round(len(times) / (per_second * max(last - first, 1.0)), 3),
+            "saturated_s": sum(1 for n in counts.values() if n >= 0.9 * per_second),
+            "seconds": seconds}

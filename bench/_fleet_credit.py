@@ -54,11 +54,14 @@ def grant_users(users: list[str]) -> list[str]:
 
 def plans_env(budget: str, quota: int) -> dict[str, str]:
     """``ATTO_PLANS``: ``base`` (the budget), ``credit`` and ``credit2`` (its shorter window,
-    a quota of ``quota`` tokens in its longest window)."""
+    a quota of ``quota`` tokens in its longest window), and ``heavy`` (the budget's windows
+    with room for ten thousand times their tokens: the heavy user's budget never binds, so
+    what holds it back is the provider's rate)."""
     windows = budget.split(",")
     long_s = windows[-1].split("/")[1]
     credit = ",".join([*windows[:-1], f"{quota}/{long_s}"])
-    return {"ATTO_PLANS": f"base={budget};credit={credit};credit2={credit}",
+    heavy = ",".join(f"{int(w.split('/')[0]) * 10_000}/{w.split('/')[1]}" for w in windows)
+    return {"ATTO_PLANS": f"base={budget};credit={credit};credit2={credit};heavy={heavy}",
             "ATTO_DEFAULT_PLAN": "base"}
 
 
@@ -153,6 +156,11 @@ class CreditOperator:
                                   tokens=self.grant_tokens, kind="paid",
                                   reference=f"inv-{user}-0", expires_at_ms=None,
                                   actor=ACTOR, reason="fleet: top-up"))
+
+    def set_plan(self, user: str, plan: str) -> None:
+        """Put ``user`` on ``plan`` before traffic (the heavy user on ``heavy``)."""
+        self.run(self._repeat("setup plan", user, self._operator.set_plan, user, plan,
+                              actor=ACTOR, reason=f"fleet: plan {plan}"))
 
     # -- during traffic ------------------------------------------------------------------
     def start(self, t_start: float, duration: float) -> None:

@@ -15,6 +15,18 @@ times while it keeps getting 503. Its record names the process that got the 503
 ``IDLE_AFTER_503_S``, as a Lambda environment often does between invocations: its
 refunds kept during the fault stay pending while the client's retry is served elsewhere.
 
+A heavy process (``heavy`` > 0) sends only as one user (the fleet's heavy user), only the
+routes that call the LLM provider, with no pause and no key, and keeps ``heavy`` of them
+in flight at once: each is one invocation of the real handler's ASGI app through Mangum's
+own event and response handling, as ``heavy`` environments each serving one would, but
+on one event loop, so that a request waiting for its slot costs no CPU of a process of
+its own. Together they keep more requests of that user waiting for the LLM provider's
+slots than its rate serves: the provider stays saturated by one user.
+
+Each ``end`` record carries ``wait_ms``: per provider, the milliseconds the invocation
+waited for its throttle slots (what the functions report as the ``ProviderWaitMs``
+metric), and, for a 503 ``provider_busy``, the ``provider`` the body names.
+
 When the run ends, a process makes the refunds it still keeps (``drain``), as an
 environment would before its next invocation: the checks then see money at rest.
 """
@@ -22,6 +34,7 @@ environment would before its next invocation: the checks then see money at rest.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import json
 import os
@@ -48,6 +61,8 @@ ROUTES: dict[str, tuple[str, str, str, int]] = {
 #: Mix of routes, by weight: mostly the cheap ones.
 WEIGHTS = {"structured": 30, "embeddings": 25, "salary": 18, "job_extraction": 8,
            "company_research": 5, "market_context": 6, "usage": 8}
+#: The heavy user's mix: the routes whose only provider is the LLM.
+HEAVY_WEIGHTS = {"structured": 30, "embeddings": 25, "job_extraction": 8}
 #: How many times a client sends a keyed request again after a 503 (each time elsewhere).
 MAX_RETRIES = 3
 #: How long an environment that answered a keyed 503 may then stay idle (half the time), s.
@@ -117,7 +132,32 @@ def _setup(env: dict[str, str], lease_s: float | None,
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-    return {name: importlib.import_module(spec[0]).handler for name, spec in ROUTES.items()}
+    handlers = {name: importlib.import_module(spec[0]).handler for name, spec in ROUTES.items()}
+    _record_waits()
+    return handlers
+
+
+#: Per provider, ms waited for throttle slots by the invocation under way (its own dict:
+#: a heavy process has several under way).
+WAITS: contextvars.ContextVar[dict[str, float]] = contextvars.ContextVar("fleet_waits")
+
+
+def _record_waits() -> None:
+    """Add every ``ProviderWaitMs`` the functions report to ``WAITS`` (the metric goes on
+    to the log as before)."""
+    from usage_limits.web import observability as obs
+
+    report = obs.provider_count
+
+    def provider_count(provider: str, name: str, value: float = 1,
+                       unit: str = "Count") -> None:
+        if name == obs.PROVIDER_WAIT_MS:
+            waits = WAITS.get(None)
+            if waits is not None:
+                waits[provider] = waits.get(provider, 0.0) + value
+        report(provider, name, value, unit)
+
+    obs.provider_count = provider_count  # type: ignore[assignment]
 
 
 def _until(stop_at: Any) -> float:
@@ -129,12 +169,13 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
          users: list[str], timeout_s: float, idem_fraction: float = 0.2,
          repeat_fraction: float = 0.35, only: str | None = None,
          lease_s: float | None = None, think_s: float = 0.01,
-         start_at: float = 0.0, retries: Any = None) -> None:
+         start_at: float = 0.0, retries: Any = None, heavy: int = 0) -> None:
     """Invoke handlers until ``stop_at`` (epoch seconds, or a shared ``multiprocessing.Value``
     holding them, which the harness may push back); ``only`` pins one route, once.
 
     ``retries`` is the multiprocessing queue of keyed requests that got a 503 somewhere:
     this process sends those of other processes again (see the module docstring).
+    ``heavy``: send only as ``users[0]``, only ``HEAVY_WEIGHTS``' routes, this many at once.
     """
     # The emulator and Redis stand in for servers with CPUs of their own. On a small host
     # the Lambda processes yield to them, so arrivals are stamped when they arrive rather
@@ -147,6 +188,14 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
     rng = random.Random(seed)
     names, weights = list(WEIGHTS), list(WEIGHTS.values())
     used_keys: list[tuple[str, str, str, dict[str, Any]]] = []  # (user, key, route, request)
+    if heavy:
+        with open(out_path, "a", buffering=1) as out, lambda_loop() as loop:
+            loop.run_until_complete(asyncio.gather(*(
+                _heavy(wid, f"{wid}.{i}", out, stop_at, random.Random(seed * 100 + i),
+                       users[0], timeout_s) for i in range(heavy))))
+            left = drain(loop)
+            out.write(json.dumps({"kind": "drain", "w": wid, "left": left}) + "\n")
+        return
     with open(out_path, "a", buffering=1) as out, lambda_loop() as loop:
         n = 0
         while time.time() < _until(stop_at):
@@ -175,6 +224,7 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
             record: dict[str, Any] = {"w": wid, "pid": os.getpid(), "user": user, "route": route,
                                       "rid": rid, "cost": cost, "timeout": timeout_s,
                                       "retry_of": origin if retry_of is not None else None}
+            WAITS.set({})
             t0 = time.time()
             out.write(json.dumps({"kind": "start", "t0": t0, **record}) + "\n")
             try:
@@ -192,6 +242,9 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
                 "kind": "end", "t0": t0, "t1": t1, "status": status, "code": code,
                 "replayed": replayed,
                 "charged": 0 if replayed else expected_charge(route, status, body),
+                "wait_ms": {p: round(ms, 1) for p, ms in WAITS.get().items()},
+                "provider": ((body or {}).get("error") or {}).get("provider")
+                if code == "provider_busy" and isinstance(body, dict) else None,
                 **record}) + "\n")
             tries = 0 if retry_of is None else attempt
             if retries is not None and key is not None and status == 503 \
@@ -208,6 +261,47 @@ def main(wid: str, env: dict[str, str], out_path: str, stop_at: Any, seed: int,
                 time.sleep(rng.uniform(0, think_s))
         left = drain(loop)
         out.write(json.dumps({"kind": "drain", "w": wid, "left": left}) + "\n")
+
+
+async def _heavy(wid: str, slot: str, out: Any, stop_at: Any, rng: random.Random, user: str,
+                 timeout_s: float) -> None:
+    """One of a heavy process's requests in flight: invoke, record, again until ``stop_at``."""
+    from mangum import Mangum
+    from mangum.protocols.http import HTTPCycle
+
+    from local.lambda_events import FakeContext, http_event, invoke
+
+    names, weights = list(HEAVY_WEIGHTS), list(HEAVY_WEIGHTS.values())
+    apps = {name: Mangum(importlib.import_module(ROUTES[name][0]).app, lifespan="off")
+            for name in names}
+    while time.time() < _until(stop_at):
+        route = rng.choices(names, weights)[0]
+        req = request_for(route, rng)
+        _, method, path, cost = ROUTES[route]
+        gateway_id = uuid.uuid4().hex[:16]
+        event = http_event(method, path, body=req.get("body"), query=req.get("query"),
+                           user=user, request_id=gateway_id)
+        record = {"w": wid, "slot": slot, "pid": os.getpid(), "user": user, "route": route,
+                  "rid": f"r:{gateway_id}", "cost": cost, "timeout": timeout_s,
+                  "retry_of": None}
+        WAITS.set({})
+        t0 = time.time()
+        out.write(json.dumps({"kind": "start", "t0": t0, **record}) + "\n")
+        mangum = apps[route]
+        gateway = mangum.infer(event, FakeContext(timeout_s=timeout_s))
+        cycle = HTTPCycle(gateway.scope, gateway.body)
+        await cycle.run(mangum.app)
+        answer = gateway({"status": cycle.status, "headers": cycle.headers, "body": cycle.body})
+        result = invoke(lambda _e, _c, a=answer: a, event)
+        status, body = result.status, result.body
+        code = ((body or {}).get("error") or {}).get("code") \
+            if status >= 400 and isinstance(body, dict) else None
+        out.write(json.dumps({
+            "kind": "end", "t0": t0, "t1": time.time(), "status": status, "code": code,
+            "replayed": False, "charged": expected_charge(route, status, body),
+            "wait_ms": {p: round(ms, 1) for p, ms in WAITS.get().items()},
+            "provider": (body["error"].get("provider") if code == "provider_busy" else None),
+            **record}) + "\n")
 
 
 #: How long a process at the end of the run keeps trying the refunds it kept, s.

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/fleet.py [--processes 8] [--users 50] [--duration 60] [--cluster]
                                     [--quick] [--faults all|none|a,b,...] [--no-credit]
+                                    [--no-heavy-user] [--heavy-processes 2] [--heavy-in-flight 20]
                                     [--out bench/out/fleet]
 
 N spawned processes each act as one Lambda execution environment (``_fleet_worker``): the
@@ -15,6 +16,13 @@ of the run (``_fleet_faults``), in Redis, the providers and DynamoDB. Afterwards
 invariants (``_fleet_check``) are checked from Redis, DynamoDB, the emulator's counters
 and the invocation records, a table is printed and PNG plots are written. Exit status 0
 when every invariant holds.
+
+A heavy user (on by default; off with ``--quick`` unless ``--heavy-user``) is served by
+processes of its own that send only its LLM requests, each keeping ``--heavy-in-flight`` of
+them in flight: together they keep the LLM provider saturated by one user, and
+invariant 7 checks that no other user is refused ``provider_busy`` because of it. Its plan
+(``heavy``, set through DynamoDB) has room for all it sends, so the provider's rate is what
+holds it back; with ``--no-credit`` there is no plan store and no heavy user.
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ RECOVERY_TAIL_S = 6.0
 CHEAP_FAULTS = ["redis-restart", "script-flush", "redis-slow", "upstream-5xx", "upstream-429",
                 "kill-lease-holder", "upstream-latency", "ledger-refused"]
 DYNAMO_FAULTS = ["dynamo-down", "dynamo-conflict", "dynamo-throttle", "dynamo-lost"]
+#: The user the heavy processes send as (not one of ``--users``: the mix never picks it).
+HEAVY_USER = "heavy-user"
 #: The fleet's entitlements table (in its own DynamoDB server).
 TABLE = "fleet-entitlements"
 
@@ -84,12 +94,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "passed on; only upstream faults are allowed")
     ap.add_argument("--no-credit", action="store_true",
                     help="no DynamoDB: no grants, operator changes or DynamoDB faults")
+    ap.add_argument("--heavy-user", action=argparse.BooleanOptionalAction, default=None,
+                    help="processes of their own send one user's LLM requests, many at once "
+                         "(default on, off with --quick; needs the run's DynamoDB for its plan)")
+    ap.add_argument("--heavy-processes", type=int, default=None,
+                    help="how many (default 2; quick 1)")
+    ap.add_argument("--heavy-in-flight", type=int, default=20,
+                    help="requests each heavy process keeps in flight")
     ap.add_argument("--out", default=str(HERE / "out" / "fleet"))
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.processes, args.users, args.duration = 4, 10, 20.0
     args.lambda_timeout = args.lambda_timeout or (5.0 if args.quick else 6.0)
+    if args.heavy_user is None:
+        # Off in the quick run: on a busy two-core host its extra load made calls leave
+        # later than the jitter allowance after their slots (invariants 3 and 4).
+        args.heavy_user = not args.quick
+    if args.no_credit:
+        args.heavy_user = False  # its plan lives in DynamoDB
+    if args.heavy_processes is None:
+        args.heavy_processes = 1 if args.quick else 2
+    args.heavy_processes = args.heavy_processes if args.heavy_user else 0
     if args.faults == "all":
         chosen = CHEAP_FAULTS + (["failover"] if args.cluster else []) \
             + ([] if args.no_credit else DYNAMO_FAULTS)
@@ -196,11 +222,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             env.update(credit_env(dynamo, args))
             operator = credit.CreditOperator(env, users, args.grant_tokens)
             operator.setup()
+            if args.heavy_user:
+                operator.set_plan(HEAVY_USER, "heavy")
         ctx = faults.Context(redis=redis, emulator=emu, env=env, out_dir=str(out),
                              timeout_s=args.lambda_timeout, lease_s=lease_s, dynamo=dynamo)
         spawn = multiprocessing.get_context("spawn")
         retries = spawn.Queue()  # keyed requests answered 503, retried by another process
-        warmup_s = 4.0 + 1.0 * args.processes  # imports of every function, on 2 cores
+        n_procs = args.processes + args.heavy_processes
+        warmup_s = 4.0 + 1.0 * n_procs  # imports of every function, on 2 cores
         t_start = time.time() + warmup_s
         stop_at = t_start + args.duration
         ctx.stop_at = stop_at
@@ -213,6 +242,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                  "start_at": t_start + i * STAGGER_S,
                                                  "retries": retries})
             for i in range(args.processes)]
+        # The heavy user's processes take no other process's retries: they send only as it.
+        procs += [spawn.Process(target=worker.main, name=f"fleet-h{i}", args=(
+            f"h{i}", env, str(out / f"records-h{i}.jsonl"), stop, args.seed * 1000 + 100 + i,
+            [HEAVY_USER], args.lambda_timeout), kwargs={
+                "lease_s": lease_s, "start_at": t_start + (args.processes + i) * STAGGER_S,
+                "heavy": args.heavy_in_flight}) for i in range(args.heavy_processes)]
         for p in procs:
             p.start()
         time.sleep(max(0.0, t_start - time.time()))
@@ -279,9 +314,12 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
 
         credit_plan = parse_plans(ctx.env).get("credit").windows  # type: ignore[union-attr]
         credit_plans = dict.fromkeys(operator.users, credit_plan)
+        if args.heavy_user:
+            credit_plans[HEAVY_USER] = parse_plans(ctx.env).get("heavy").windows  # type: ignore[union-attr]
     client = redis.client()
+    everyone = users + ([HEAVY_USER] if args.heavy_user else [])
     ledger = check.read_ledger(client, sorted({r["user"] for r in ends} | {"victim-user"}
-                                              | set(users)))
+                                              | set(everyone)))
     stats = emu.stats(window_s=1.0, times=True)
     result = {
         "config": {"processes": args.processes, "users": args.users, "duration_s": args.duration,
@@ -289,7 +327,8 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
                    else "standalone", "budget": args.budget, "providers": PROVIDERS,
                    "search_concurrency": SEARCH_CONCURRENCY, "lambda_timeout_s":
                    args.lambda_timeout, "lease_s": ctx.lease_s, "failure_rate": FAILURE_RATE,
-                   "faults": args.fault_list},
+                   "faults": args.fault_list, "heavy_processes": args.heavy_processes,
+                   "heavy_in_flight": args.heavy_in_flight},
         "invocations": len(ends),
         "status": _count(str(r["status"]) for r in ends),
         "overspend": check.check_overspend(ledger, plan, credit_plans),
@@ -304,6 +343,10 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
         "faults": check.fault_costs(done, ends),
         "routes": check.summary_by_route(ends),
         "client_retries": _count(str(r["status"]) for r in ends if r.get("retry_of")),
+        "heavy": None if not args.heavy_user else {
+            **check.check_heavy_user(ends, HEAVY_USER, done),
+            **check.saturation(stats["families"]["llm"].get("arrival_times") or [],
+                               limits["llm"])},
         "after_run": later,
         "in_flight_at_end": len(in_flight),
     }
@@ -317,16 +360,21 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
                                           for p in result["providers"].values()),
         "deadlines_kept": result["deadlines"]["late"] == 0,
     }
+    if result["heavy"] is not None:
+        result["invariants"]["heavy_user_starves_no_one"] = not result["heavy"]["starved"]
     if result["credit"] is not None:
         result["invariants"]["credit_conserved"] = credit.credit_ok(result["credit"])
-        result["books"] = audit_books(redis, ctx.dynamo, args, users)
+        result["books"] = audit_books(redis, ctx.dynamo, args, everyone)
         result["invariants"]["books_balance"] = result["books"]["balanced"]
     result["ok"] = all(result["invariants"].values())
     (out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     if not args.no_plots:
         import _fleet_plots
 
-        _fleet_plots.write(out, stats, limits, ledger, plan, ends, t_start)
+        # the budget plot is of users on the base plan: not the heavy user's own
+        _fleet_plots.write(out, stats, limits,
+                           {u: d for u, d in ledger.items() if u != HEAVY_USER}, plan, ends,
+                           t_start)
     return result
 
 
@@ -425,6 +473,26 @@ def table(result: dict[str, Any]) -> str:
                     + (" (" + ", ".join(f"{k} {v}" for k, v in kinds.items()) + ")"
                        if kinds else "")
                     + f"; notes {len(books['notes'])} |")
+    hv = result.get("heavy")
+    if hv is not None:
+        busy = "; ".join(f"{u} " + ", ".join(f"{p} {n}" for p, n in c.items())
+                         for u, c in hv["provider_busy_by_user"].items()) or "none"
+        excused = ", ".join(f"{k} {v}" for k, v in hv["excused_by_fault"].items()) or "none"
+        rows.append(
+            f"| 7. a heavy user refuses no one else {hv['provider']} slots | "
+            f"{mark(inv['heavy_user_starves_no_one'])} | {cfg['heavy_processes']} processes x "
+            f"{cfg['heavy_in_flight']} requests in flight of {hv['heavy_user']}; the "
+            f"provider at {hv['used_share']:.0%} of its limit "
+            f"over the run, saturated (90% or more of its limit) {hv['saturated_s']} of "
+            f"{hv['seconds']} s; {hv['heavy_calls']} {hv['provider']} calls, wait p50 "
+            f"{hv['heavy_wait_p50_ms']} / p95 {hv['heavy_wait_p95_ms']} ms; the other users' "
+            f"{hv['light_calls']} calls: wait p50 {hv['light_wait_p50_ms']} / p95 "
+            f"{hv['light_wait_p95_ms']} ms ({hv['light_calls_clear']} outside the 429 pause "
+            f"and Redis fault windows: p95 {hv['light_wait_p95_clear_ms']} ms); other users "
+            f"refused provider_busy by "
+            f"{hv['provider']} outside the 429 pause and Redis fault windows: "
+            f"{len(hv['starved'])} (inside them, not counted: {excused}); provider_busy by "
+            f"user: {busy} |")
     if result["faults"]:
         rows += ["", "| fault | at (s) | lasted (s) | invocations | errors returned | "
                  "recovered after (s) | note |", "|---|---|---|---|---|---|---|"]

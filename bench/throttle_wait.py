@@ -36,16 +36,18 @@ WAIT_TIMEOUT_MS = 100
 
 def _args(now_ms: float) -> list[str]:
     """A reservation with a wide rate and wait, so every call is admitted."""
-    return [f"{now_ms:.3f}", "0.1", "1000", "1", "1000", "10000", "0", f"{now_ms:.3f}"]
+    return [f"{now_ms:.3f}", "0.1", "1000", "1", "1000", "10000", "50", "u", "1", "250",
+            uuid.uuid4().hex]
 
 
 def run(client: redis.Redis, calls: int, mode: str) -> tuple[list[float], int]:
     """Latencies (ms) of ``calls`` reservations in ``mode``, and WAITs not acknowledged."""
     acquire = client.register_script(script("throttle_acquire").source)
-    state, prefix = provider_keys(uuid.uuid4().hex[:12], "gcra", "gcra:call:")
+    state, prefix, *queue = provider_keys(uuid.uuid4().hex[:12], "gcra", "gcra:call:", "fq",
+                                          "fq:entries", "fq:expiry", "fq:users")
     times, unacked = [], 0
     for _ in range(calls):
-        keys = [state, prefix + uuid.uuid4().hex]
+        keys = [state, prefix + uuid.uuid4().hex, *queue]
         started = time.perf_counter()
         if mode == "evalsha":
             acquire(keys=keys, args=_args(time.time() * 1000))

@@ -82,7 +82,8 @@ INTEGRATION = Path(__file__).parent / "integration"
 #: tests/integration modules (file names) that measure time across processes under load
 #: (load runs, wake-up lateness, rates per second). Marked ``timing``: `make test` runs them
 #: after the others, one at a time, never beside other tests' processes.
-TIMING_MODULES = ("test_fleet.py", "test_throttle_processes.py", "test_serve.py")
+TIMING_MODULES = ("test_fleet.py", "test_throttle_processes.py", "test_serve.py",
+                  "test_bench_throttle_fair.py")
 
 
 @functools.cache

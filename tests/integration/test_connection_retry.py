@@ -22,7 +22,8 @@ async def test_stale_connections_after_a_restart_are_retried() -> None:
             server.stop(kill=True)
             server.start()
             reply = await script("throttle_pause")(
-                client, ["ul:{p:retry}:gcra", "ul:{p:retry}:gcra:call:1"], ["1000", "0", "10000"])
+                client, ["ul:{p:retry}:gcra", "ul:{p:retry}:gcra:call:1", "ul:{p:retry}:fq:expiry"],
+                ["1000", "0", "10000"])
             assert float(reply) >= 1000
         finally:
             await client.aclose()

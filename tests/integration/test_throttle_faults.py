@@ -27,7 +27,7 @@ FAULTS = [Fault.DROP_COMMAND, Fault.DROP_REPLY, Fault.DUPLICATE, Fault.DELAY,
           Fault.CUT_COMMAND, Fault.CUT_REPLY]
 #: Faults after which the command has run once already when the client re-sends it.
 RAN_FIRST_TIME = frozenset({Fault.DROP_REPLY, Fault.DUPLICATE, Fault.DELAY, Fault.CUT_REPLY})
-SCRIPTS = ("throttle_acquire", "throttle_pause", "throttle_lease_acquire",
+SCRIPTS = ("throttle_acquire", "throttle_confirm", "throttle_pause", "throttle_lease_acquire",
            "throttle_lease_release")
 
 
@@ -78,6 +78,35 @@ async def test_acquire_books_one_slot_through_any_fault(
     # The next slot is one interval after the first, or now: no phantom booking between.
     expected = max(first.slot_at + 0.1, second.requested_at)
     assert second.slot_at == pytest.approx(expected, abs=1e-5)
+
+
+async def queued(direct: aioredis.Redis, provider: str) -> int:
+    [queue] = provider_keys(provider, "fq")
+    return int(await direct.zcard(queue))
+
+
+@pytest.mark.parametrize("name", ["throttle_acquire", "throttle_confirm"])
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.value)
+async def test_queued_admission_books_one_slot_through_any_fault(
+        fault: Fault, name: str, fault_proxy: FaultProxy, production: Any,
+        direct: aioredis.Redis, uid: str) -> None:
+    """A request that queues behind a booked slot, hit by a fault as it queues or as it asks
+    again for its slot, queues once and books exactly one slot."""
+    other = ProviderThrottle(direct, uid, rate=10, burst=1, jitter_s=0)
+    first = await other.admit(max_wait_s=2, user="a")  # the next slot is 0.1 s away: queue
+    injection = arm(fault_proxy, fault, name)
+    async with asyncio.timeout(BOUND_S):
+        second = await ProviderThrottle(production, uid, rate=10, burst=1, jitter_s=0).admit(
+            max_wait_s=3, user="b")
+    assert injection.hits == 1
+    assert second.calls >= 2  # it queued, then booked
+    assert (first.seq, second.seq) == (1, 2) and await seq(direct, uid) == 2
+    assert await queued(direct, uid) == 0
+    third = await other.admit(max_wait_s=3, user="a")
+    assert third.seq == 3
+    # No phantom booking or queue entry between: the next slot is one interval on, or now.
+    expected = max(second.slot_at + 0.1, third.requested_at)
+    assert third.slot_at == pytest.approx(expected, abs=1e-5)
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.value)

@@ -104,6 +104,12 @@ async def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
 import pytest  # noqa: E402 - the worker above imports nothing it does not need
 
+from usage_limits.throttle import MIN_LEAD_S  # noqa: E402
+
+#: The longest a waiter takes to ask again once its head is late (a poll: one round trip
+#: of a client on this shared 2-core host, with 8 processes and a cluster).
+PASS_OVER_POLL_S = 0.05
+
 pytestmark = pytest.mark.slow
 
 
@@ -188,7 +194,7 @@ def test_rate_is_exact_fifo_and_never_exceeded_across_processes(nodes: dict[str,
     requested, slots, granted, seqs, costs = (list(c) for c in zip(*grants, strict=True))
     assert all(r["grants"] for r in results), "every process got slots"
 
-    # FIFO: reservation numbers are complete and slots follow them.
+    # Booking numbers are complete and slots follow them.
     assert seqs == list(range(1, len(seqs) + 1))
     assert all(b >= a for a, b in zip(slots, slots[1:], strict=False))
     assert all(b > a for a, b in zip(slots[burst - 1:], slots[burst:], strict=False))
@@ -201,9 +207,13 @@ def test_rate_is_exact_fifo_and_never_exceeded_across_processes(nodes: dict[str,
     # 2-core machine), so they obey it with that lateness as the tolerance.
     assert_window_bound(slots, costs, rate, burst, tol=EPS)
     assert_window_bound(granted, costs, rate, burst, tol=CLOCK + max(late))
-    # Saturated: slots are back to back, and the granted rate is the limit within 2%.
+    # Saturated: slots are back to back, but where the queue's head was descheduled past
+    # its turn: the next waiter passes it over once its told slot is MIN_LEAD_S old (the
+    # reach without a jitter allowance), on its next poll. The granted rate is the limit
+    # within 2%.
     gaps = [b - a for a, b in zip(slots[burst - 1:], slots[burst:], strict=False)]
-    assert max(gaps) <= 1 / rate + EPS
+    assert max(gaps) <= 1 / rate + MIN_LEAD_S + PASS_OVER_POLL_S
+    assert sorted(gaps)[len(gaps) // 2] <= 1 / rate + EPS
     measured = (len(granted) - burst) / (max(granted) - min(granted))
     assert abs(measured - rate) / rate <= 0.02, f"granted {measured:.2f}/s"
 

@@ -3,11 +3,21 @@
 Random steps run the real scripts on the session's redis-server with explicit caller clocks
 (clocks that run behind or ahead, times exactly on a lease's, a queue entry's or a pause's
 end) and the same steps on the model; after every step Redis must hold exactly the model's
-state and every reply must be the model's. Independently of the model, every step checks:
+state and every reply must be the model's. Three users (weights drawn per example) ask for
+slots, queue and come back. Independently of the model, every step checks:
 
-- GCRA spacing: reservations are FIFO, no span [s_i, s_j] of slots holds more than
-  (s_j - s_i) / T + burst cost units, an admitted wait is within the caller's limit and a
-  refused one beyond it, and nothing is admitted before a pause ends;
+- the limit (GCRA spacing): bookings are in order, no span [s_i, s_j] of slots holds more
+  than (s_j - s_i) / T + burst cost units, a booked wait is within the caller's limit and
+  horizon and a refused one beyond its limit, and nothing is booked before a pause ends;
+- fairness (docs/throttle.md): only the head of the fair queue books (passing over entries
+  whose callers are late for their told slot: those lose both bounds for that turn); and
+  while two users
+  i and j both have requests queued (and neither lost one to its deadline or expiry), the
+  cost booked to them, W_i and W_j, keeps |W_i / w_i - W_j / w_j| <= c_max / w_i +
+  c_max / w_j;
+- no starvation: the cost booked ahead of a queued request by requests that arrived after
+  it is at most the sum over the other users u of w_u * (S - V) + c_max, where S is its
+  start tag and V the virtual time when it arrived;
 - leases: never more live leases than the cap, and a lease whose holder died (never
   released) counts until the shared clock reaches its grant time plus the lease time, and
   not after;
@@ -60,8 +70,9 @@ TRUST_MS = 1e13
 #: Steps per example (at most): ci runs 100 examples of up to 80 steps (about 8,000 steps
 #: in all), long 2,000 examples of up to 200.
 STEPS = 80 if settings().max_examples <= 100 else 200
-NAMES = ("throttle_acquire", "throttle_pause", "throttle_lease_acquire",
+NAMES = ("throttle_acquire", "throttle_confirm", "throttle_pause", "throttle_lease_acquire",
          "throttle_lease_release")
+USERS = ("a", "b", "c")
 
 
 def fmt(x: float) -> str:
@@ -70,6 +81,10 @@ def fmt(x: float) -> str:
 
 def fmt_up(x: float) -> str:
     return f"{math.ceil(x * 1000) / 1000:.3f}"
+
+
+def tag_text(x: float) -> str:
+    return "%.17g" % x  # noqa: UP031 - the same text as Lua's string.format('%.17g')
 
 
 def _b(value: Any) -> Any:
@@ -92,7 +107,13 @@ class Model:
     limit: int
     lease_ms: float
     waiter_ttl: float
+    grace: float = 5.0
+    weights: dict[str, float] = field(default_factory=dict)    # user -> weight
     state: dict[str, str] = field(default_factory=dict)        # the GCRA hash, as text
+    queue: dict[str, float] = field(default_factory=dict)      # entry -> start tag
+    entries: dict[str, str] = field(default_factory=dict)      # entry -> "cost deadline user"
+    expiry: dict[str, float] = field(default_factory=dict)     # entry -> expiry
+    users: dict[str, float] = field(default_factory=dict)      # user -> finish tag
     answers: dict[str, Any] = field(default_factory=dict)      # call key -> its answer
     lclock: str | None = None
     leases: dict[str, float] = field(default_factory=dict)
@@ -103,24 +124,94 @@ class Model:
     def _num(self, name: str) -> float:
         return float(self.state[name]) if name in self.state else 0.0
 
-    def acquire(self, answer: str, now: float, cost: int, max_wait: float,
-                recheck: bool, call_at: float) -> list[Any]:
-        if answer in self.answers:
-            slot, seq = self.answers[answer]
-            return [1, fmt(float(slot) - now), slot, seq]
-        tat, pause = self._num("tat"), self._num("pause")
+    def _answered(self, answer: str, now: float) -> list[Any] | None:
+        if answer not in self.answers:
+            return None
+        status, slot, seq, entry = self.answers[answer]
+        return [status, fmt(float(slot) - now), slot, seq, entry]
+
+    def _start(self, now: float) -> tuple[float, float, float, float]:
+        """tat, clock, pause, vt after a call's first write and the queue's purge."""
         clock = max(self._num("clock"), now)
-        if recheck and pause <= call_at:
-            return [2, "0", fmt(now), 0]
-        new_tat = max(tat, clock, pause) + cost * self.interval
-        slot = max(clock, pause, new_tat - self.burst * self.interval)
+        self.state["clock"] = fmt(clock)
+        for entry in [e for e, at in self.expiry.items() if at <= float(fmt(clock))]:
+            self._drop(entry)
+        return self._num("tat"), clock, self._num("pause"), self._num("vt")
+
+    def _drop(self, entry: str) -> None:
+        for table in (self.queue, self.entries, self.expiry):
+            table.pop(entry, None)
+
+    def _ahead(self, tag: float, entry: str | None, late: float = -math.inf) -> float:
+        return sum(float(self.entries[e].split()[0]) for e, s in self.queue.items()
+                   if (s < tag or (s == tag and (entry is None or e < entry)))
+                   and float(self.entries[e].split()[2]) >= late)
+
+    def _slot(self, tat: float, clock: float, pause: float, units: float) -> float:
+        base = max(tat, clock, pause)
+        return max(clock, pause, base + units * self.interval - self.burst * self.interval)
+
+    def _book(self, tat: float, clock: float, pause: float, cost: float, vt: float) -> int:
+        seq = int(self.state.get("seq", "0")) + 1
+        self.state.update(seq=str(seq), vt=tag_text(vt),
+                          tat=fmt_up(max(tat, clock, pause) + cost * self.interval))
+        return seq
+
+    def _keep(self, answer: str, reply: list[Any]) -> list[Any]:
+        self.answers[answer] = (reply[0], reply[2], reply[3], reply[4])
+        return reply
+
+    def acquire(self, answer: str, now: float, cost: int, max_wait: float, horizon: float,
+                user: str, rid: str) -> list[Any]:
+        kept = self._answered(answer, now)
+        if kept is not None:
+            return kept
+        tat, clock, pause, vt = self._start(now)
+        self.users = {u: f for u, f in self.users.items() if f > vt}
+        start = max(vt, self.users.get(user, vt))
+        weight = self.weights[user]
+        queued = bool(self.queue)
+        slot = self._slot(tat, clock, pause, (self._ahead(start, None) if queued else 0) + cost)
         wait = slot - now
         if wait > max_wait:
-            return [0, fmt(wait), fmt(slot), 0]
-        seq = int(self.state.get("seq", "0")) + 1
-        self.state.update(seq=str(seq), tat=fmt_up(new_tat), clock=fmt(clock))
-        self.answers[answer] = (fmt(slot), seq)
-        return [1, fmt(wait), fmt(slot), seq]
+            return self._keep(answer, [0, fmt(wait), fmt(slot), 0, ""])
+        self.users[user] = float(tag_text(start + cost / weight))
+        if not queued and wait <= horizon:
+            seq = self._book(tat, clock, pause, cost, start)
+            return self._keep(answer, [1, fmt(wait), fmt(slot), seq, ""])
+        qseq = int(self.state.get("qseq", "0")) + 1
+        self.state["qseq"] = str(qseq)
+        entry = f"{qseq:015d}:{rid}"
+        deadline = now + max_wait
+        self.queue[entry] = float(tag_text(start))
+        self.entries[entry] = f"{fmt(cost)} {fmt(deadline)} {fmt(slot)} {user}"
+        self.expiry[entry] = float(fmt(min(deadline, slot + self.grace)))
+        return self._keep(answer, [3, fmt(wait), fmt(slot), 0, entry])
+
+    def confirm(self, answer: str, now: float, max_wait: float, horizon: float,
+                entry: str, reach: float) -> list[Any]:
+        kept = self._answered(answer, now)
+        if kept is not None:
+            return kept
+        tat, clock, pause, vt = self._start(now)
+        if entry not in self.entries:
+            return self._keep(answer, [4, fmt(0), fmt(now), 0, ""])
+        cost_text, deadline_text, _, user = self.entries[entry].split(" ", 3)
+        cost, deadline = float(cost_text), float(deadline_text)
+        start = self.queue[entry]
+        ahead = self._ahead(start, entry, clock - reach)
+        slot = self._slot(tat, clock - reach, pause, ahead + cost)
+        wait = slot - now
+        if wait > max_wait:
+            self._drop(entry)
+            return self._keep(answer, [0, fmt(wait), fmt(slot), 0, ""])
+        if ahead == 0 and wait <= horizon:
+            self._drop(entry)
+            seq = self._book(tat, clock - reach, pause, cost, max(vt, start))
+            return self._keep(answer, [1, fmt(wait), fmt(slot), seq, ""])
+        self.entries[entry] = f"{cost_text} {deadline_text} {fmt(slot)} {user}"
+        self.expiry[entry] = float(fmt(min(deadline, slot + self.grace)))
+        return self._keep(answer, [3, fmt(wait), fmt(slot), 0, entry])
 
     def pause(self, answer: str, now: float, pause_ms: float) -> str:
         if answer in self.answers:
@@ -198,6 +289,7 @@ class Call:
     reply: Any
 
 
+HORIZONS = st.sampled_from([0.0, 0.25, 5.0, 20.0])
 SKEWS = st.one_of(st.just(0.0), st.sampled_from([-0.25, 0.25, -3.0, 3.0]),
                   st.sampled_from(["-lease", "+lease", "-big", "+big"]))
 
@@ -211,13 +303,18 @@ class ThrottleMachine(RuleBasedStateMachine):
         super().__init__()
         self.uid = uuid.uuid4().hex[:12]
         self.scripts = {n: self.client.register_script(script(n).source) for n in NAMES}
-        self.state_key, self.answer_prefix = provider_keys(self.uid, "gcra", "gcra:call:")
+        self.state_key, self.answer_prefix, *self.queue_keys = provider_keys(
+            self.uid, "gcra", "gcra:call:", "fq", "fq:entries", "fq:expiry", "fq:users")
         self.lease_keys = provider_keys(self.uid, "leases", "waiters", "wexpiry", "lclock",
                                         "released")
         self.t = BASE_MS
         self.calls: list[Call] = []
         self.bookings: list[tuple[int, float, int]] = []   # (seq, slot, cost)
         self.booked: set[str] = set()                      # answer keys of the bookings
+        self.served = dict.fromkeys(USERS, 0.0)            # cost booked per user
+        self.since: dict[tuple[str, str], tuple[float, float]] = {}  # joint backlog start
+        self.arrived: dict[str, tuple[float, float, float]] = {}  # entry -> (S, V, displaced)
+        self.owners: dict[str, str] = {}                   # entry -> its user
         self.granted: dict[str, float] = {}                # lease id -> grant clock
         self.gone: set[str] = set()                        # released ids
         self.ids: list[str] = []
@@ -226,10 +323,13 @@ class ThrottleMachine(RuleBasedStateMachine):
 
     @initialize(interval=st.sampled_from([10.0, 12.5, 100.0]), burst=st.integers(1, 3),
                 limit=st.integers(1, 3), lease_ms=st.sampled_from([40.0, 100.0]),
-                waiter_ttl=st.sampled_from([30.0, 60.0]))
+                waiter_ttl=st.sampled_from([30.0, 60.0]), grace=st.sampled_from([5.0, 50.0]),
+                weights=st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=3, max_size=3))
     def configure(self, interval: float, burst: int, limit: int, lease_ms: float,
-                  waiter_ttl: float) -> None:
-        self.model = Model(interval, burst, limit, lease_ms, waiter_ttl)
+                  waiter_ttl: float, grace: float = 5.0,
+                  weights: list[float] | None = None) -> None:
+        self.model = Model(interval, burst, limit, lease_ms, waiter_ttl, grace,
+                           dict(zip(USERS, weights or [1.0] * 3, strict=True)))
 
     # ---------------------------------------------------------------- helpers
 
@@ -241,7 +341,7 @@ class ThrottleMachine(RuleBasedStateMachine):
 
     def send(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run a script with PTTL and PERSIST of every key, atomically (see the docstring)."""
-        watched = [self.state_key, *self.lease_keys]
+        watched = [self.state_key, *self.queue_keys, *self.lease_keys]
         pipe = self.client.pipeline(transaction=True)
         self.scripts[name](keys=keys, args=args, client=pipe)
         for key in watched:
@@ -266,8 +366,17 @@ class ThrottleMachine(RuleBasedStateMachine):
         for key in self.lease_keys[:3] + self.lease_keys[4:]:
             pipe.zrange(key, 0, -1, withscores=True)
         pipe.get(self.lease_keys[3])
-        state, leases, waiters, wexpiry, released, lclock = pipe.execute()
+        queue, entries, expiry, users = self.queue_keys
+        pipe.zrange(queue, 0, -1, withscores=True)
+        pipe.hgetall(entries)
+        pipe.zrange(expiry, 0, -1, withscores=True)
+        pipe.zrange(users, 0, -1, withscores=True)
+        (state, leases, waiters, wexpiry, released, lclock, *fair) = pipe.execute()
         return {"state": {k.decode(): v.decode() for k, v in state.items()},
+                "queue": {k.decode(): s for k, s in fair[0]},
+                "entries": {k.decode(): v.decode() for k, v in fair[1].items()},
+                "expiry": {k.decode(): s for k, s in fair[2]},
+                "users": {k.decode(): s for k, s in fair[3]},
                 "leases": {k.decode(): s for k, s in leases},
                 "waiters": {k.decode(): s for k, s in waiters},
                 "wexpiry": {k.decode(): s for k, s in wexpiry},
@@ -276,7 +385,9 @@ class ThrottleMachine(RuleBasedStateMachine):
 
     def model_snapshot(self) -> dict[str, Any]:
         m = self.model
-        return {"state": dict(m.state), "leases": dict(m.leases), "waiters": dict(m.waiters),
+        return {"state": dict(m.state), "queue": dict(m.queue), "entries": dict(m.entries),
+                "expiry": dict(m.expiry), "users": dict(m.users),
+                "leases": dict(m.leases), "waiters": dict(m.waiters),
                 "wexpiry": dict(m.wexpiry), "released": dict(m.released), "lclock": m.lclock}
 
     def lease_args(self, now: float, lid: str, queue: bool) -> list[Any]:
@@ -304,34 +415,77 @@ class ThrottleMachine(RuleBasedStateMachine):
         """The ends still ahead of the true time, earliest first."""
         m = self.model
         ends = [*m.leases.values(), *m.wexpiry.values(), *m.released.values(),
-                m._num("pause"), m._num("tat")]
+                *m.expiry.values(), m._num("pause"), m._num("tat")]
         return sorted(e for e in ends if e > self.t)
 
     # ---------------------------------------------------------------- rules: the rate
 
     @rule(skew=SKEWS, cost=st.integers(1, 3), wait=st.sampled_from([0.0, 5.0, 30.0, 300.0]),
-          recheck=st.booleans(), lead=st.sampled_from([0.0, 0.25, 2.0]))
-    def acquire(self, skew: float | str, cost: int, wait: float, recheck: bool,
-                lead: float) -> None:
-        """A caller asks for a slot (or, about to call at its slot, rechecks for a pause)."""
+          horizon=HORIZONS, user=st.sampled_from(USERS))
+    def acquire(self, skew: float | str, cost: int, wait: float, horizon: float,
+                user: str) -> None:
+        """A user's request asks for a slot: booked, queued or refused."""
         cost = min(cost, self.model.burst)
         now = self.now(skew)
-        call_at = now + lead if recheck else now
+        answer = self.answer_prefix + uuid.uuid4().hex
+        rid = uuid.uuid4().hex[:8]
+        pause_before = self.model._num("pause")
+        vt = self.model._num("vt")
+        args = [fmt(now), repr(self.model.interval), str(self.model.burst), str(cost),
+                fmt(wait), ANSWER_TTL_MS, fmt(horizon), user, repr(self.model.weights[user]),
+                fmt(self.model.grace), rid]
+        before = dict(self.model.queue)
+        reply = self.run("throttle_acquire", [self.state_key, answer, *self.queue_keys], args,
+                         lambda: self.model.acquire(answer, now, cost, wait, horizon, user, rid))
+        status, wait_ms, slot = reply[0], float(reply[1]), float(reply[2])
+        if status == 1:
+            assert wait_ms <= min(wait, horizon) and slot >= pause_before
+            assert not self.model.queue  # it books at once only when nobody is left waiting
+            self.book(answer, reply, cost, user, None)
+        elif status == 3:
+            assert wait_ms <= wait
+            self.arrived[reply[4]] = (self.model.queue[reply[4]], vt, 0.0)
+            self.owners[reply[4]] = user
+        else:
+            assert status == 0 and wait_ms > wait
+        self.note_removals(before, None)
+
+    @rule(skew=SKEWS, wait=st.sampled_from([0.0, 5.0, 30.0, 300.0]), horizon=HORIZONS,
+          reach=st.sampled_from([0.0, 0.25, 5.0]), data=st.data())
+    def confirm(self, skew: float | str, wait: float, horizon: float, reach: float,
+                data: st.DataObject) -> None:
+        """A queued request asks again (or one whose entry is gone)."""
+        known = sorted(self.arrived)
+        if not known:
+            return
+        entry = data.draw(st.sampled_from(known))
+        now = self.now(skew)
         answer = self.answer_prefix + uuid.uuid4().hex
         pause_before = self.model._num("pause")
-        args = [fmt(now), repr(self.model.interval), str(self.model.burst), str(cost),
-                fmt(wait), ANSWER_TTL_MS, 1 if recheck else 0, fmt(call_at)]
-        reply = self.run("throttle_acquire", [self.state_key, answer], args,
-                         lambda: self.model.acquire(answer, now, cost, wait, recheck, call_at))
-        admitted, wait_ms, slot = reply[0], float(reply[1]), float(reply[2])
-        if admitted == 1:
+        before = dict(self.model.queue)
+        args = [fmt(now), repr(self.model.interval), str(self.model.burst), fmt(wait),
+                ANSWER_TTL_MS, fmt(horizon), entry, fmt(self.model.grace), fmt(reach)]
+        info = self.model.entries.get(entry)
+        reply = self.run("throttle_confirm", [self.state_key, answer, *self.queue_keys], args,
+                         lambda: self.model.confirm(answer, now, wait, horizon, entry, reach))
+        status, wait_ms, slot = reply[0], float(reply[1]), float(reply[2])
+        if status == 1:
+            assert info is not None and wait_ms <= min(wait, horizon) and slot >= pause_before
+            assert wait_ms >= -reach  # a late head's slot lies at most reach before its clock
+            # only the head of the fair queue books, passing over callers late for their turn
+            late = float(self.model.state["clock"]) - reach
+            passed = [e for e, s in self.model.queue.items() if (s, e) < (before[entry], entry)]
+            assert all(float(self.model.entries[e].split()[2]) < late for e in passed)
+            for e in passed:  # a caller late for its turn is owed neither bound for it
+                self.forget(e)
+            self.book(answer, reply, int(float(info.split()[0])), info.split(" ", 3)[3], entry)
+        elif status == 3:
             assert wait_ms <= wait
-            assert slot >= pause_before
-            self.book(answer, reply, cost)
-        elif admitted == 0:
+        elif status == 0:
             assert wait_ms > wait
         else:
-            assert recheck and pause_before <= call_at
+            assert status == 4 and entry not in self.model.entries
+        self.note_removals(before, entry if status == 1 else None)
 
     @rule(skew=SKEWS, pause_ms=st.sampled_from([0.0, 0.25, 7.0, 50.0, 1000.0]))
     def pause(self, skew: float | str, pause_ms: float) -> None:
@@ -339,7 +493,7 @@ class ThrottleMachine(RuleBasedStateMachine):
         now = self.now(skew)
         answer = self.answer_prefix + uuid.uuid4().hex
         before = self.model._num("pause")
-        reply = self.run("throttle_pause", [self.state_key, answer],
+        reply = self.run("throttle_pause", [self.state_key, answer, self.queue_keys[2]],
                          [fmt(now), fmt(pause_ms), ANSWER_TTL_MS],
                          lambda: self.model.pause(answer, now, pause_ms))
         assert float(reply) >= max(before, now + pause_ms)
@@ -400,14 +554,9 @@ class ThrottleMachine(RuleBasedStateMachine):
         reply = self.send(call.name, call.keys, call.args)
         assert reply == call.model()
         self.calls.append(Call(call.name, call.keys, call.args, call.model, reply))
-        if call.name == "throttle_pause" or (
-                call.name == "throttle_acquire" and call.reply[0] == 1):
-            assert reply == call.reply and self.snapshot() == before  # kept answers
-        elif call.name == "throttle_acquire" and reply[0] == 1:
-            # A late copy of a refused call (or of a recheck told to go) may reserve a slot
-            # nobody uses: wasted, never over the rate (the spacing invariant includes it).
-            # A further copy gets that kept answer: the same booking, not a new one.
-            self.book(call.keys[1], reply, int(call.args[3]))
+        if call.name in ("throttle_pause", "throttle_acquire", "throttle_confirm"):
+            # Every answer is kept: a late copy changes nothing and answers the same.
+            assert reply == call.reply and self.snapshot() == before
         if call.name == "throttle_lease_release":
             # No other caller's lease or place is touched (its own id may have been granted
             # again by a copy later than the lease time; a tombstone may be set again).
@@ -428,12 +577,17 @@ class ThrottleMachine(RuleBasedStateMachine):
     @invariant()
     def redis_holds_the_model_state(self) -> None:
         """Every key holds what the model holds, and every expiry set covered its entries."""
-        assert self.snapshot() == self.model_snapshot()
+        got, expected = self.snapshot(), self.model_snapshot()
+        assert got == expected, {k: (got[k], expected[k]) for k in got if got[k] != expected[k]}
         ttls, self.ttls = self.ttls, {}
         m = self.model
+        last = max(m.expiry.values(), default=0.0)
         if self.state_key in ttls:
-            needed = max(m._num("tat"), m._num("pause")) - m._num("clock")
+            needed = max(m._num("tat"), m._num("pause"), last) - m._num("clock")
             assert ttls[self.state_key] >= needed
+        for key in self.queue_keys:
+            if key in ttls:
+                assert ttls[key] >= last - m._num("clock")
         clock = float(m.lclock) if m.lclock else 0.0
         for key, table in zip(self.lease_keys[:3], (m.leases, m.waiters, m.wexpiry),
                               strict=True):
@@ -442,18 +596,18 @@ class ThrottleMachine(RuleBasedStateMachine):
 
     @invariant()
     def gcra_spacing_holds(self) -> None:
-        """Reservations are FIFO and no span of slots holds more than its share plus burst."""
+        """Booking numbers increase and no span [s_i, s_j] of slots holds more cost than its
+        share plus burst (a late head may book a slot before one booked ahead of it)."""
         if not self.bookings:
             return
         seqs = [b[0] for b in self.bookings]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-        slots = [b[1] for b in self.bookings]
-        assert slots == sorted(slots)
-        j_seq, j_slot, _ = self.bookings[-1]
-        units = 0
-        for _, i_slot, i_cost in reversed(self.bookings):
-            units += i_cost
-            assert units <= (j_slot - i_slot) / self.model.interval + self.model.burst + 1e-9
+        by_slot = sorted((slot, cost) for _, slot, cost in self.bookings)
+        for j, (j_slot, _) in enumerate(by_slot):
+            units = 0
+            for i_slot, i_cost in reversed(by_slot[:j + 1]):
+                units += i_cost
+                assert units <= (j_slot - i_slot) / self.model.interval + self.model.burst + 1e-9
 
     @invariant()
     def lease_cap_holds(self) -> None:
@@ -461,11 +615,63 @@ class ThrottleMachine(RuleBasedStateMachine):
         clock = float(self.model.lclock) if self.model.lclock else 0.0
         assert sum(1 for e in self.model.leases.values() if e > clock) <= self.model.limit
 
-    def book(self, answer: str, reply: list[Any], cost: int) -> None:
-        """Record the reservation ``reply`` kept under ``answer``, once."""
-        if answer not in self.booked:
-            self.booked.add(answer)
-            self.bookings.append((reply[3], float(reply[2]), cost))
+    @invariant()
+    def shares_are_fair(self) -> None:
+        """Two users with requests queued throughout got cost in proportion to their weights,
+        within one largest cost each (start-time fair queuing's bound)."""
+        w, c_max = self.model.weights, float(self.model.burst)
+        waiting = {info.split(" ", 3)[3] for info in self.model.entries.values()}
+        for pair in [(i, j) for i in USERS for j in USERS if i < j]:
+            if not set(pair) <= waiting:
+                self.since.pop(pair, None)
+                continue
+            i, j = pair
+            if pair not in self.since:
+                self.since[pair] = (self.served[i], self.served[j])
+                continue
+            w_i = (self.served[i] - self.since[pair][0]) / w[i]
+            w_j = (self.served[j] - self.since[pair][1]) / w[j]
+            assert abs(w_i - w_j) <= c_max / w[i] + c_max / w[j] + 1e-9, (pair, w_i, w_j)
+
+    def book(self, answer: str, reply: list[Any], cost: int, user: str,
+             entry: str | None) -> None:
+        """Record the booking ``reply`` kept under ``answer``, once; check that no queued
+        request was displaced by later arrivals more than its bound."""
+        if answer in self.booked:
+            return
+        self.booked.add(answer)
+        self.bookings.append((reply[3], float(reply[2]), cost))
+        self.served[user] += cost
+        if entry is None:
+            return
+        w, c_max = self.model.weights, float(self.model.burst)
+        for other, (start, vt, displaced) in list(self.arrived.items()):
+            if other > entry or other not in self.model.queue:
+                continue  # arrived after the booked one, or no longer waiting
+            displaced += cost
+            owner = self.model.entries[other].split(" ", 3)[3]
+            bound = sum(w[u] * (start - vt) + c_max for u in USERS if u != owner)
+            assert displaced <= bound + 1e-9, (other, displaced, bound)
+            self.arrived[other] = (start, vt, displaced)
+
+    def forget(self, entry: str) -> None:
+        """End the joint backlogs of ``entry``'s user and stop tracking its displacement."""
+        self.arrived.pop(entry, None)
+        user = self.owners[entry]
+        for pair in [p for p in self.since if user in p]:
+            del self.since[pair]
+
+    def note_removals(self, before: dict[str, float], booked: str | None) -> None:
+        """A queued request that left without booking (deadline, expiry) ends the joint
+        backlog of its user: the fairness bound counts from the next step."""
+        for entry in set(before) - set(self.model.queue) - {booked}:
+            user = self.model_user(entry)
+            for pair in [p for p in self.since if user in p]:
+                del self.since[pair]
+
+    def model_user(self, entry: str) -> str:
+        """The user of a queue entry (kept by the machine past the entry's removal)."""
+        return self.owners[entry]
 
     def note_grant(self, lid: str, reply: list[Any]) -> None:
         """Record a new grant (not the answer to a re-sent call), then check the leases."""
@@ -514,31 +720,14 @@ def checked(machine: ThrottleMachine) -> None:
     machine.redis_holds_the_model_state()
     machine.gcra_spacing_holds()
     machine.lease_cap_holds()
-
-
-def test_late_copies_of_a_recheck_told_to_go_book_one_slot(machine: ThrottleMachine) -> None:
-    """A recheck told to go, sent twice more after a pause, reserves one slot, kept for both."""
-    machine.configure(interval=10.0, burst=1, limit=1, lease_ms=40.0, waiter_ttl=30.0)
-    for step in (lambda: machine.release("nobody", 0.0),
-                 lambda: machine.acquire(skew=-0.25, cost=1, wait=5.0, recheck=True, lead=0.0),
-                 lambda: machine.pause(skew=0.0, pause_ms=0.0)):
-        step()
-        checked(machine)
-    recheck = machine.calls[1]
-    assert recheck.reply[0] == 2  # not paused: go at the slot held
-    for _ in range(2):
-        machine.copy(recheck)
-        checked(machine)
-    assert [c.reply[0] for c in machine.calls[-2:]] == [1, 1]
-    assert machine.calls[-1].reply == machine.calls[-2].reply  # the kept answer
-    assert [seq for seq, _, _ in machine.bookings] == [1]
+    machine.shares_are_fair()
 
 
 def test_paused_state_outlives_a_slow_step(machine: ThrottleMachine) -> None:
     """After a reservation, a long pause, a re-send, late copies and a jump to the pause's end,
     Redis holds the model's state and no key has an expiry left that real time could reach."""
     machine.configure(interval=10.0, burst=1, limit=1, lease_ms=40.0, waiter_ttl=30.0)
-    machine.acquire(skew=0.0, cost=1, wait=300.0, recheck=False, lead=0.0)
+    machine.acquire(skew=0.0, cost=1, wait=300.0, horizon=20.0, user="a")
     checked(machine)
     machine.pause(skew=0.0, pause_ms=1000.0)
     checked(machine)
@@ -549,8 +738,34 @@ def test_paused_state_outlives_a_slow_step(machine: ThrottleMachine) -> None:
         checked(machine)
     machine.t = machine.ends()[-1]
     assert machine.t == float(machine.model.state["pause"])
-    keys = [machine.state_key, *machine.lease_keys]
+    keys = [machine.state_key, *machine.queue_keys, *machine.lease_keys]
     assert {key: machine.client.pttl(key) for key in keys
-            if machine.client.exists(key)} == {machine.state_key: -1}
+            if machine.client.exists(key)} == {machine.state_key: -1,
+                                               machine.queue_keys[3]: -1}
     checked(machine)
     assert machine.snapshot()["state"]["seq"] == "1"
+
+
+def test_a_call_long_after_the_last_booking_keeps_the_state(machine: ThrottleMachine) -> None:
+    """A request that queues and asks again with a clock seconds past every booking, pause
+    and queue entry leaves the provider's state in place (an expiry of 0 would delete it and
+    start the booking numbers again)."""
+    machine.configure(interval=10.0, burst=1, limit=1, lease_ms=100.0, waiter_ttl=30.0)
+    machine.acquire(skew=0.0, cost=1, wait=300.0, horizon=20.0, user="a")
+    machine.acquire(skew=0.0, cost=1, wait=300.0, horizon=0.0, user="b")
+    checked(machine)
+    machine.t += 5000.0
+    machine.confirm(skew="+big", wait=0.0, horizon=0.0, reach=0.0,
+                    data=_Drawn(machine.calls[-1].reply[4]))
+    checked(machine)
+    assert machine.snapshot()["state"]["seq"] == "1"
+
+
+class _Drawn:
+    """Stands in for Hypothesis' ``data``: every draw gives ``value``."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def draw(self, strategy: Any) -> Any:
+        return self.value

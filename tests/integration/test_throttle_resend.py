@@ -62,6 +62,22 @@ async def test_resent_acquire_books_one_slot(client: Any, uid: str) -> None:
     assert second.slot_at - first.slot_at == pytest.approx(0.1, abs=1e-5)
 
 
+async def test_resent_queue_and_confirm_book_one_slot(client: Any, uid: str) -> None:
+    """A request that queues and then asks for its slot, every call run twice, queues once
+    and books one slot: the next caller's slot is one interval after it."""
+    other = ProviderThrottle(client, uid, rate=10, burst=1, jitter_s=0)
+    resending = Resending(client)
+    first = await other.admit(max_wait_s=1, user="a")
+    second = await ProviderThrottle(resending, uid, rate=10, burst=1, jitter_s=0).admit(
+        max_wait_s=1, user="b")
+    assert resending.calls_of(script("throttle_confirm"))  # it queued, then asked again
+    third = await other.admit(max_wait_s=1, user="a")
+    assert [first.seq, second.seq, third.seq] == [1, 2, 3]
+    assert second.slot_at - first.slot_at == pytest.approx(0.1, abs=1e-5)
+    assert third.slot_at - second.slot_at == pytest.approx(0.1, abs=1e-5)
+    assert await client.zcard(provider_keys(uid, "fq")[0]) == 0
+
+
 async def test_late_duplicate_acquire_books_nothing(client: Any, uid: str) -> None:
     """A rate acquire that arrives again after its caller moved on reserves nothing more."""
     resending = Resending(client, twice=False)

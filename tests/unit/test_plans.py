@@ -42,12 +42,24 @@ def test_atto_budget_alone_is_the_plan_named_default() -> None:
     {"ATTO_PLANS": PLANS, "ATTO_DEFAULT_PLAN": "gold"},
     {"ATTO_DEFAULT_PLAN": "gold"},
     {"ATTO_PLANS": " ; "},
+    {"ATTO_PLANS": "free=100/1h,weight=0"},
+    {"ATTO_PLANS": "free=100/1h,weight=two"},
+    {"ATTO_PLANS": "free=100/1h,share=2"},
 ])
 def test_malformed_plans_are_rejected_with_the_setting_named(env: dict[str, str]) -> None:
     """A malformed plan list or an unknown default fails when settings are read, naming the
     variable."""
     with pytest.raises(InvalidArgument, match="ATTO_PLANS|ATTO_DEFAULT_PLAN"):
         WebSettings.from_env(env)
+
+
+def test_a_plan_may_carry_a_fair_share_weight() -> None:
+    """``weight=N`` among a plan's windows sets its users' share of a saturated provider;
+    a plan without it weighs 1, and its windows are read as before."""
+    plans = Plans.parse("free=100/1h,1000/30d;pro=400/1h,weight=2.5,20000/30d")
+    assert (plans.by_name["free"].weight, plans.by_name["pro"].weight) == (1.0, 2.5)
+    assert plans.by_name["pro"].windows == ((400, 3600), (20000, 2592000))
+    assert plans.by_name["free"].windows == ((100, 3600), (1000, 2592000))
 
 
 def test_resolution_order_is_override_then_claim_then_default() -> None:

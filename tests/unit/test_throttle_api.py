@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 import usage_limits
+import usage_limits.throttle as throttle_module
 from usage_limits.exceptions import CostExceedsLimit, InvalidArgument
 from usage_limits.throttle import (
     DEFAULT_MAX_PAUSE_S,
@@ -16,7 +17,9 @@ from usage_limits.throttle import (
     ProviderThrottle,
     UpstreamRateLimited,
     _sleep_until,
+    bind_share,
     parse_rate,
+    share_scope,
     throttled,
 )
 
@@ -248,3 +251,37 @@ async def test_sleep_until_never_wakes_early() -> None:
         target = loop.time() + delay
         await _sleep_until(loop, target)
         assert loop.time() >= target
+
+
+def test_share_comes_from_the_arguments_then_the_scope_then_anonymous() -> None:
+    """A request's user and weight: the arguments, else the enclosing scope's (its weight
+    only for its own user), else one anonymous user of weight 1."""
+    assert throttle_module._share(None, None) == (throttle_module.ANONYMOUS, 1.0)
+    with share_scope("alice", 2.5):
+        assert throttle_module._share(None, None) == ("alice", 2.5)
+        assert throttle_module._share("bob", None) == ("bob", 1.0)
+        assert throttle_module._share(None, 3) == ("alice", 3.0)
+    assert throttle_module._share(None, None) == (throttle_module.ANONYMOUS, 1.0)
+
+
+@pytest.mark.parametrize(("user", "weight"), [("", 1.0), ("alice", 0), ("alice", -1.0),
+                                              ("alice", float("inf")), ("alice", True)])
+def test_a_bad_share_is_refused(user: str, weight: float) -> None:
+    """An empty user or a weight that is not a finite number above 0 raises InvalidArgument."""
+    with pytest.raises(InvalidArgument):
+        throttle_module._share(user, weight)
+
+
+def test_bind_share_holds_for_the_rest_of_the_task() -> None:
+    """``bind_share`` (what the web guard calls) sets the share of the current task only."""
+
+    async def request(user: str) -> tuple[str, float]:
+        bind_share(user, 2)
+        await asyncio.sleep(0)
+        return throttle_module._share(None, None)
+
+    async def both() -> list[tuple[str, float]]:
+        return list(await asyncio.gather(request("alice"), request("bob")))
+
+    assert asyncio.run(both()) == [("alice", 2.0), ("bob", 2.0)]
+    assert throttle_module._share(None, None) == (throttle_module.ANONYMOUS, 1.0)

@@ -1,25 +1,23 @@
 """Distributed provider throttle: one shared rate (and in-flight cap) per upstream provider.
 
-Every Lambda instance asks Redis for the next free slot of the provider with one script call
-(``lua/throttle_acquire.lua``, GCRA): the script reserves the earliest slot that respects
-``rate`` per ``per_s`` with bursts of ``burst``, but only when the caller can wait for it,
-and returns the delay; the caller sleeps until its slot. Reservations are ordered by arrival
-(FIFO), exact across any number of instances, and need no long-running loop. A request whose
-slot lies past its wait limit (by default the request's deadline) reserves nothing and gets
-``ProviderBusy`` with a true ``retry_after_s``.
-
-A caller that sleeps to its slot asks Redis once more, just before its slot (three of its
-round trips early, 5 to 50 ms), whether the provider will be paused when it calls (an
-upstream 429 seen by another caller meanwhile): if so it gives its slot up and takes one
-after the pause, within its wait limit, or gets ``ProviderBusy``. A caller whose slot is
-immediate (or less than that lead away) makes no second call. Every script call carries an
-id of its own, and a call run twice (redis-py re-sends a script whose reply was lost)
-reserves once.
+Every Lambda instance asks Redis for the provider's next free slot (``lua/throttle_acquire.lua``,
+GCRA). While the provider is not saturated the slot is booked at once: one script call. When
+it is, the request joins the provider's fair queue (start-time fair queuing: one start tag per
+request from its user's finish tag, ``lua/_fair_queue.lua``), is told the slot it would get if
+everyone ahead of it went first, sleeps, and asks again just before that slot
+(``lua/throttle_confirm.lua``): the head of the queue books its slot, anyone else is told its
+new slot ("moved": a fairer request arrived meanwhile). So the users waiting share the slots
+about equally (``weight`` for a plan's share), however many requests each has in flight; a
+user alone gets the whole rate. No slot is ever booked more than a few round trips ahead, so
+an upstream 429's pause holds back every slot not yet booked. A request whose slot lies past
+its wait limit (by default the request's deadline) gets ``ProviderBusy`` with a true
+``retry_after_s``. Every script call carries an id of its own, and a call run twice (redis-py
+re-sends a script whose reply was lost) answers the same and books once.
 An upstream's Retry-After is bounded by ``max_pause_s`` (``<PROVIDER>_MAX_PAUSE_S``).
 
 Example:
     >>> llm = ProviderThrottle.from_env(redis, "llm", default_rate="20/s")
-    >>> async with llm.slot(cost=1) as waited_s:     # ProviderBusy when no slot in time
+    >>> async with llm.slot(cost=1, user="u1") as waited_s:   # ProviderBusy: none in time
     ...     reply = await call_upstream()
     >>> await llm.pause(30)                           # upstream said 429: every instance waits
 
@@ -36,7 +34,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -49,7 +48,8 @@ if TYPE_CHECKING:
     from ._scripts import AnyRedis
     from ._semaphore import LeaseSemaphore
 
-__all__ = ["Admission", "ProviderThrottle", "UpstreamRateLimited", "parse_rate", "throttled"]
+__all__ = ["Admission", "ProviderThrottle", "UpstreamRateLimited", "bind_share", "parse_rate",
+           "share_scope", "throttled"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -61,7 +61,8 @@ ENV_MAX_PAUSE = "_MAX_PAUSE_S"
 #: Default dispatch jitter allowance, as a share of the rate's period (see ``ProviderThrottle``'s
 #: ``jitter_s``): 15 ms for a per-second rate, 0.9 s for a per-minute one; 1.5% of the rate.
 DEFAULT_JITTER_SHARE = 0.015
-#: Re-admissions of a caller that woke too late, before it gives up with ProviderBusy.
+#: Re-admissions of a caller that woke too late for its slot or came back after its queue
+#: entry expired, before it gives up with ProviderBusy.
 MAX_READMISSIONS = 3
 #: Cooldown used when an upstream 429 carried no usable Retry-After (absent, unreadable,
 #: negative or not finite).
@@ -70,11 +71,26 @@ DEFAULT_PAUSE_S = 1.0
 #: ``fetch.py`` bounds a page's; ``MAX_PAUSE_LIMIT_S`` bounds the setting itself.
 DEFAULT_MAX_PAUSE_S = 60.0
 MAX_PAUSE_LIMIT_S = 300.0
-#: The recheck for a pause is sent three of the acquire's round trips before the slot, at
-#: least 5 ms and at most 50 ms, so that its answer is back by the slot even when one round
-#: trip takes longer than the last (a late answer would cost the caller its slot).
-MIN_RECHECK_LEAD_S = 0.005
-MAX_RECHECK_LEAD_S = 0.05
+#: A queued caller asks again three of its round trips before the slot it was told, at least
+#: 20 ms and at most 50 ms, so that its answer is back by the slot even when one round trip
+#: takes longer than the last or the host stalls the caller for a few ms: the head of the
+#: queue books the slot it asks for, or the clock when it asks late, and every slot after
+#: it moves by as much. The same lead is the horizon: no slot is booked further ahead of
+#: its caller's clock, so a pause that an upstream 429 sets holds back every slot but those
+#: booked within these 20 to 50 ms (never more than half a slot interval, see _admit).
+MIN_LEAD_S = 0.02
+MAX_LEAD_S = 0.05
+#: The shortest sleep of a queued caller between two calls (while the head has not booked;
+#: at least its last round trip).
+MIN_POLL_S = 0.005
+#: How late after its told slot a queued caller may ask again before its entry expires
+#: (a busy event loop; a caller that died leaves the queue after this): the longest a dead
+#: waiter at the head of the queue holds the others back.
+QUEUE_GRACE_S = 0.25
+#: The user of a request that names none: such requests share one turn between them.
+ANONYMOUS = "-"
+#: Script answers (``lua/throttle_acquire.lua``, ``lua/throttle_confirm.lua``).
+REFUSED, BOOKED, QUEUED, GONE = 0, 1, 3, 4
 #: How long a script call's answer is kept for a re-send of the same call (redis-py re-sends
 #: within its socket timeout and backoff; a command held up in the network arrives later).
 ANSWER_TTL_S = 10.0
@@ -116,7 +132,8 @@ class Admission:
         slot_at: epoch seconds of the reserved slot (the provider's shared timeline).
         granted_at: epoch seconds when the caller was let go (``granted_at - slot_at`` is
             the wake-up lateness).
-        seq: the provider's reservation number; strictly increasing in reservation order.
+        seq: the provider's booking number; strictly increasing in booking order.
+        calls: script calls this admission made (1 when the provider was not saturated).
     """
 
     waited_s: float
@@ -124,6 +141,7 @@ class Admission:
     slot_at: float
     granted_at: float
     seq: int
+    calls: int = 1
 
 
 class ProviderThrottle:
@@ -188,8 +206,21 @@ class ProviderThrottle:
         self._client = redis
         # Cluster safety: every key of the provider shares the tag {p:<provider>}; so does
         # each call's answer key (see _answer_key).
-        self._state_key, self._answer_prefix = provider_keys(provider, "gcra", "gcra:call:")
+        self._state_key, self._answer_prefix, *self._queue_keys = provider_keys(
+            provider, "gcra", "gcra:call:", "fq", "fq:entries", "fq:expiry", "fq:users")
+        self._round_trip_s = 0.0
         self._answer_ttl_ms = f"{ANSWER_TTL_S * 1000:.0f}"
+        self._grace_ms = f"{QUEUE_GRACE_S * 1000:.0f}"
+        # A queued head that asks late books the slot it was told, up to half the dispatch
+        # allowance back (the other half is for the call to leave; throttle_confirm.lua), so
+        # the slots after it do not move; a waiter whose head is later than that passes it
+        # over. Without an allowance (jitter_s=0: exact spacing, a late caller goes anyway,
+        # as ever) up to MIN_LEAD_S back.
+        reach_s = self.jitter_s / 2 if self.jitter_s else MIN_LEAD_S
+        self._reach_ms = f"{reach_s * 1000:.3f}"
+        # At most half a slot interval: the next waiter then asks after the head before it
+        # has (a waiter that asks before the head books is told to wait, and asks again).
+        self._max_lead_s = self.interval_s / 2
         self._interval_ms = repr((self.per_s + self.jitter_s) * 1000.0 / self.rate)
         self._semaphore: LeaseSemaphore | None = None
         if max_concurrency is not None:
@@ -289,7 +320,8 @@ class ProviderThrottle:
         except InvalidArgument as exc:
             raise InvalidArgument(f"{prefix}_*: {exc}") from None
 
-    async def acquire(self, cost: float = 1, max_wait_s: float | None = None) -> float:
+    async def acquire(self, cost: float = 1, max_wait_s: float | None = None, *,
+                      user: str | None = None, weight: float | None = None) -> float:
         """Wait for this provider's next rate slot.
 
         The in-flight cap (``max_concurrency``) needs a lease that is given back after the
@@ -299,6 +331,11 @@ class ProviderThrottle:
             cost: cost units of the call (1 for plain call counting), 0 < cost <= burst.
             max_wait_s: longest acceptable wait; defaults to, and is always clamped to, the
                 request's remaining time (``usage_limits.deadline.remaining_s()``).
+            user: whose request this is: while the provider is saturated, the users waiting
+                share its slots fairly. None: the user of the enclosing ``share_scope``,
+                else one anonymous user shared by all such requests.
+            weight: the user's share relative to others (> 0; a plan's ``weight``); None:
+                the enclosing ``share_scope``'s, else 1.
 
         Returns:
             Seconds waited.
@@ -309,22 +346,25 @@ class ProviderThrottle:
             InvalidArgument: bad ``cost`` or ``max_wait_s``.
             LimiterUnavailable: Redis failed.
         """
-        return (await self.admit(cost, max_wait_s)).waited_s
+        return (await self.admit(cost, max_wait_s, user=user, weight=weight)).waited_s
 
-    async def admit(self, cost: float = 1, max_wait_s: float | None = None) -> Admission:
+    async def admit(self, cost: float = 1, max_wait_s: float | None = None, *,
+                    user: str | None = None, weight: float | None = None) -> Admission:
         """Like ``acquire`` but returns the whole ``Admission`` (slot, timestamps, order)."""
         cost = self._check_cost(cost)
         limit_s = self._wait_limit(max_wait_s)
-        return await self._admit(cost, limit_s)
+        return await self._admit(cost, limit_s, _share(user, weight))
 
     @contextlib.asynccontextmanager
-    async def slot(self, cost: float = 1,
-                   max_wait_s: float | None = None) -> AsyncIterator[float]:
+    async def slot(self, cost: float = 1, max_wait_s: float | None = None, *,
+                   user: str | None = None,
+                   weight: float | None = None) -> AsyncIterator[float]:
         """Hold a provider slot for the duration of the block; yields the seconds waited.
 
         With ``max_concurrency`` a lease is taken first (in arrival order), then the rate
         slot; the lease is given back when the block exits (or after ``lease_s`` if this
-        process dies). Without it, this is ``acquire``.
+        process dies). Without it, this is ``acquire``. ``user`` and ``weight``: as
+        ``acquire`` (the leases are granted in arrival order, not by share).
 
         Raises:
             ProviderBusy: no lease or no rate slot within the allowed wait (a lease taken
@@ -333,15 +373,16 @@ class ProviderThrottle:
         """
         cost = self._check_cost(cost)
         limit_s = self._wait_limit(max_wait_s)
+        share = _share(user, weight)
         semaphore = self._semaphore
         if semaphore is None:
-            yield (await self._admit(cost, limit_s)).waited_s
+            yield (await self._admit(cost, limit_s, share)).waited_s
             return
         loop = asyncio.get_running_loop()
         start = loop.time()
         lease = await semaphore.acquire(start + limit_s)
         try:
-            await self._admit(cost, max(0.0, limit_s - (loop.time() - start)))
+            await self._admit(cost, max(0.0, limit_s - (loop.time() - start)), share)
             yield loop.time() - start
         finally:
             await semaphore.release(lease)
@@ -367,8 +408,8 @@ class ProviderThrottle:
 
         The pause is bounded by ``bounded_pause_s``: at most ``max_pause_s``, and
         ``DEFAULT_PAUSE_S`` for a negative or non-finite value. Extends an existing pause,
-        never shortens it. Callers that slept to a slot inside the pause take a new slot
-        after it (see ``admit``).
+        never shortens it. No slot is booked inside the pause; slots booked before it lie
+        at most a few round trips ahead of their callers (``MAX_LEAD_S``).
 
         Returns:
             Epoch seconds when the provider's pause ends.
@@ -379,12 +420,13 @@ class ProviderThrottle:
         """
         pause_s = self.bounded_pause_s(seconds)
         until = await script("throttle_pause")(
-            self._client, [self._state_key, self._answer_key()],
+            self._client, [self._state_key, self._answer_key(), self._queue_keys[2]],
             [f"{time.time() * 1000:.3f}", f"{pause_s * 1000:.3f}", self._answer_ttl_ms])
         return float(until) / 1000
 
     async def call(self, fn: Callable[[], Awaitable[R]], *, cost: float = 1, retries: int = 0,
-                   max_wait_s: float | None = None) -> R:
+                   max_wait_s: float | None = None, user: str | None = None,
+                   weight: float | None = None) -> R:
         """Run ``fn()`` inside a slot; on ``UpstreamRateLimited`` pause the provider and retry.
 
         Every instance is held back for the upstream's Retry-After. The call is retried up
@@ -400,7 +442,7 @@ class ProviderThrottle:
             raise InvalidArgument(f"retries must be an int >= 0, got {retries!r}")
         attempt = 0
         while True:
-            async with self.slot(cost, max_wait_s):
+            async with self.slot(cost, max_wait_s, user=user, weight=weight):
                 try:
                     return await fn()
                 except UpstreamRateLimited as exc:
@@ -413,58 +455,62 @@ class ProviderThrottle:
                                    f"retry after {retry_after:.3f}s") from limited
             attempt += 1
 
-    async def _admit(self, cost: float, limit_s: float) -> Admission:
+    async def _admit(self, cost: float, limit_s: float, share: tuple[str, float]) -> Admission:
         loop = asyncio.get_running_loop()
         requested = time.time()
         start = loop.time()
-        now = call_at = requested
-        recheck = False
-        slot_at, seq, due = requested, 0, start
-        for _ in range(MAX_READMISSIONS + 1):
+        user, weight = share
+        request_id, entry, readmissions, calls = uuid.uuid4().hex, "", 0, 0
+        planned = 0.0  # the lead a queued caller woke up by
+        while True:
             # Wall clock first, loop clock second: a pause between the two readings can
             # only make this caller wake late, never before its slot.
-            asked = loop.time()
-            reply = await script("throttle_acquire")(
-                self._client, [self._state_key, self._answer_key()], [
-                    f"{now * 1000:.3f}", self._interval_ms, repr(self.burst), repr(cost),
-                    f"{max(0.0, limit_s - (asked - start)) * 1000:.3f}",
-                    self._answer_ttl_ms, 1 if recheck else 0, f"{call_at * 1000:.3f}"])
-            round_trip = loop.time() - asked
-            admitted = int(reply[0])
-            wait_s = float(reply[1]) / 1000
-            if admitted == 0:
+            now_ms = f"{(time.time() if calls else requested) * 1000:.3f}"
+            asked = loop.time() if calls else start
+            lead = min(MAX_LEAD_S, max(MIN_LEAD_S, 3 * self._round_trip_s), self._max_lead_s)
+            # A caller that woke by a lead books within it, though its round trips got
+            # shorter meanwhile (else it would be told to wait and ask once more).
+            horizon_ms = f"{max(lead, planned) * 1000:.3f}"
+            left_ms = f"{max(0.0, limit_s - (asked - start)) * 1000:.3f}"
+            keys = [self._state_key, self._answer_key(), *self._queue_keys]
+            if entry:
+                reply = await script("throttle_confirm")(self._client, keys, [
+                    now_ms, self._interval_ms, repr(self.burst), left_ms, self._answer_ttl_ms,
+                    horizon_ms, entry, self._grace_ms, self._reach_ms])
+            else:
+                reply = await script("throttle_acquire")(self._client, keys, [
+                    now_ms, self._interval_ms, repr(self.burst), repr(cost), left_ms,
+                    self._answer_ttl_ms, horizon_ms, user, repr(weight),
+                    self._grace_ms, request_id])
+            calls += 1
+            self._round_trip_s = loop.time() - asked
+            status, wait_s = int(reply[0]), float(reply[1]) / 1000
+            due = asked + wait_s
+            if status == REFUSED:
                 raise ProviderBusy(self.provider, wait_s)
-            if admitted == 1:
-                slot_at, seq = float(reply[2]) / 1000, int(reply[3])
-                due = asked + wait_s
-                lead = min(MAX_RECHECK_LEAD_S, max(MIN_RECHECK_LEAD_S, 3 * round_trip))
-                if due - loop.time() > lead:
-                    # It sleeps: an upstream 429 may pause the provider meanwhile. Just
-                    # before the slot, one more round trip either lets it go at its slot
-                    # or moves it to a slot after the pause.
-                    await _sleep_until(loop, due - lead)
-                    now = time.time()
-                    # The recheck asks whether the slot it holds lies in a pause. Not a
-                    # call time re-derived from two clocks: read a moment apart, they put
-                    # it early by that moment, and the slot at a pause's very end (the
-                    # first one after it) would be given up for nothing.
-                    call_at = slot_at
-                    recheck = True
-                    continue
-            # admitted == 2: a recheck found no pause at this caller's slot.
-            await _sleep_until(loop, due)
-            # Woken later than the provider's counting can absorb (a busy loop or host):
-            # going now could put one call too many into a window. Take a new slot instead;
-            # the old one stays unused.
-            if self.jitter_s != 0 and loop.time() - due > self.jitter_s:
-                now = call_at = time.time()
-                recheck = False
+            if status == QUEUED:
+                # Told a slot that fairer arrivals may still push back: ask again just
+                # before it (never in a tight loop while the head has not booked yet).
+                entry, planned = _text(reply[4]), lead
+                poll = max(MIN_POLL_S, self._round_trip_s)
+                await _sleep_until(loop, max(due - lead, loop.time() + poll))
                 continue
-            return Admission(waited_s=loop.time() - start, requested_at=requested,
-                             slot_at=slot_at, granted_at=time.time(), seq=seq)
-        raise ProviderBusy(self.provider, self.interval_s,
-                           f"provider {self.provider!r}: this instance keeps waking too late "
-                           f"for its slots")
+            if status == BOOKED:
+                await _sleep_until(loop, due)
+                # Woken later than the provider's counting can absorb (a busy loop or
+                # host): going now could put one call too many into a window. Take a new
+                # slot instead; the old one stays unused.
+                if self.jitter_s == 0 or loop.time() - due <= self.jitter_s:
+                    return Admission(waited_s=loop.time() - start, requested_at=requested,
+                                     slot_at=float(reply[2]) / 1000, granted_at=time.time(),
+                                     seq=int(reply[3]), calls=calls)
+            # Woke too late, or (GONE) came back after its queue entry expired: ask anew.
+            readmissions += 1
+            if readmissions > MAX_READMISSIONS:
+                raise ProviderBusy(self.provider, self.interval_s,
+                                   f"provider {self.provider!r}: this instance keeps waking too "
+                                   f"late for its slots")
+            request_id, entry, planned = uuid.uuid4().hex, "", 0.0
 
     def _answer_key(self) -> str:
         """A fresh key for one script call's answer (its id), in the provider's slot."""
@@ -569,6 +615,53 @@ def parse_rate(text: str) -> tuple[float, float]:
     if count <= 0 or per_s <= 0:
         raise InvalidArgument(f"{text!r}: the rate and its period must be > 0")
     return count, per_s
+
+
+_share_var: ContextVar[tuple[str, float] | None] = ContextVar("usage_limits_share",
+                                                             default=None)
+
+
+@contextlib.contextmanager
+def share_scope(user: str, weight: float = 1.0) -> Iterator[None]:
+    """Throttled calls inside the block are ``user``'s, with ``weight`` (fair queuing).
+
+    For code outside a request (the web layer calls ``bind_share`` with the caller's id and
+    their plan's weight, so provider clients need not pass them).
+
+    Raises:
+        InvalidArgument: ``user`` is empty or ``weight`` is not a finite number > 0.
+    """
+    token = _share_var.set(_share(user, weight))
+    try:
+        yield
+    finally:
+        _share_var.reset(token)
+
+
+def bind_share(user: str, weight: float = 1.0) -> None:
+    """Throttled calls of the current context (a request's task) are ``user``'s, with
+    ``weight``: what the web layer does once it knows the caller and their plan.
+
+    Raises:
+        InvalidArgument: ``user`` is empty or ``weight`` is not a finite number > 0.
+    """
+    _share_var.set(_share(user, weight))
+
+
+def _share(user: str | None, weight: float | None) -> tuple[str, float]:
+    """The (user, weight) a request is queued under: the arguments, else the scope's."""
+    scoped = _share_var.get()
+    if user is None:
+        user = scoped[0] if scoped else ANONYMOUS
+    if weight is None:
+        weight = scoped[1] if scoped and scoped[0] == user else 1.0
+    if not isinstance(user, str) or not user:
+        raise InvalidArgument(f"user must be a non-empty string, got {user!r}")
+    return user, _positive("weight", weight)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:

@@ -4,7 +4,11 @@ A plan is a named set of sliding windows, written as ``ATTO_BUDGET`` always was:
 
     ATTO_PLANS="free=100/1h,1000/30d;pro=400/1h,20000/30d"   ATTO_DEFAULT_PLAN=free
 
-With ``ATTO_PLANS`` unset, ``ATTO_BUDGET`` is the one plan, named ``default``.
+With ``ATTO_PLANS`` unset, ``ATTO_BUDGET`` is the one plan, named ``default``. A plan may
+also say how large a share of a saturated provider its users get, against other users
+(``usage_limits.throttle``: fair queuing), with a ``weight=N`` item (default 1)::
+
+    ATTO_PLANS="free=100/1h,1000/30d;pro=400/1h,20000/30d,weight=2"
 
 A user's plan is, in this order: an operator's override, the JWT claim named by
 ``ATTO_PLAN_CLAIM``, the default. A claim that names no plan falls back to the default (and
@@ -15,6 +19,7 @@ first that names a plan wins.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -65,6 +70,25 @@ def parse_windows(text: str, *, setting: str = "ATTO_BUDGET") -> Windows:
     return tuple(sorted(windows, key=lambda w: w[1]))
 
 
+def _weight(text: str, setting: str) -> tuple[float, str]:
+    """A plan's ``weight=N`` item (default 1) and its other items, the windows."""
+    weight, rest = 1.0, []
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep:
+            rest.append(part)
+            continue
+        if name.strip() != "weight":
+            raise InvalidArgument(f"{setting}: {part.strip()!r} is not weight=N")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not (math.isfinite(weight) and weight > 0):
+            raise InvalidArgument(f"{setting}: {part.strip()!r}: the weight must be a number > 0")
+    return weight, ",".join(rest)
+
+
 @dataclass(frozen=True)
 class Plan:
     """One named plan.
@@ -73,10 +97,13 @@ class Plan:
         name: the plan's name (letters, digits, ``_.-``; at most 64 characters).
         windows: (limit in tokens, length in seconds), shortest first. The longest window
             is the plan's included quota.
+        weight: the share of a saturated provider's slots a user of the plan gets against
+            a user of weight 1 (> 0; ``ProviderThrottle``'s ``weight``).
     """
 
     name: str
     windows: Windows
+    weight: float = 1.0
 
     @property
     def longest_s(self) -> int:
@@ -156,7 +183,9 @@ class Plans:
                                       "_ . -)")
             if name in plans:
                 raise InvalidArgument(f"ATTO_PLANS: the plan {name!r} is defined twice")
-            plans[name] = Plan(name, parse_windows(windows, setting=f"ATTO_PLANS ({name})"))
+            setting = f"ATTO_PLANS ({name})"
+            weight, windows = _weight(windows, setting)
+            plans[name] = Plan(name, parse_windows(windows, setting=setting), weight)
         if not plans:
             raise InvalidArgument("ATTO_PLANS defines no plan")
         return cls(plans, default or next(iter(plans)))

@@ -37,6 +37,7 @@ from ..entitlements.exceptions import StoreUnavailable
 from ..entitlements.models import iso
 from ..entitlements.plans import Plan
 from ..exceptions import CostExceedsLimit, InvalidArgument, LimiterUnavailable
+from ..throttle import bind_share
 from . import events, holds, identity, records, refunds, runtime
 from . import observability as obs
 from .charge import Charge, CreditPending
@@ -217,6 +218,8 @@ class TokenGuard:
         """
         plan = identity.plan(request).plan
         state.plan_name = plan.name
+        # The route's throttled provider calls queue as this user, with the plan's share.
+        bind_share(identity.user_id(request), plan.weight)
         charge = state.pending = Charge(
             runtime.get_budget(plan.windows), identity.user_id(request),
             identity.request_id(request), 0, nonce="", entitlements=runtime.get_entitlements())

@@ -3,12 +3,15 @@
 - ``transfers``: the states, the events, the table of transitions (data) and ``apply``.
 - ``legs``: which grants a charge draws from, and what comes back (pure).
 - ``book``: ``TransferBook``, the DynamoDB book; every write generated from the table.
+- ``request``: one request's transfer (reserve, then post or void) and the user's
+  abandoned transfers; ``outbox``: the voids DynamoDB did not answer, retried later.
 
 Importing this package imports no AWS code (boto3 loads on the book's first call).
 """
 
 from __future__ import annotations
 
+from . import outbox
 from .book import (
     PENDING_INDEX,
     PENDING_SHARDS,
@@ -26,5 +29,5 @@ from .transfers import TRANSITIONS, Event, Result, State, Transition, apply
 __all__ = [
     "PENDING_INDEX", "PENDING_SHARDS", "TRANSFER_DAYS", "TRANSITIONS", "Answer", "Back", "Event",
     "ExtraRefused", "Leg", "Result", "State", "Transfer", "TransferBook", "Transition", "apply",
-    "balance", "pending_shard", "plan_legs", "transfer_sk",
+    "balance", "outbox", "pending_shard", "plan_legs", "transfer_sk",
 ]

@@ -197,6 +197,21 @@ def test_every_write_lands_once_when_sent_again(books: Books, operation: str,
     assert books.consumed("u") == {"a": expected}
 
 
+def test_a_resent_reservation_that_took_the_last_credit_is_exists(books: Books) -> None:
+    """A reservation whose answer was lost after it drew the last credit is answered exists
+    when sent again, not refused for the credit it took itself."""
+    books.grant("u", "a", 4)
+
+    def reserve() -> Answer:
+        return books.book.reserve("u", "r", "n", reserved=4, credit=4,
+                                  hold_ms=books.now + HOLD_MS, now_ms=books.now)
+
+    books.plan.arm("lost", "transact_write_items")
+    with pytest.raises(StoreUnavailable):
+        reserve()
+    assert reserve().result is Result.EXISTS and books.consumed("u") == {"a": 4}
+
+
 def test_a_conflict_is_retried_inside_the_call(books: Books) -> None:
     """A transaction cancelled for a conflict is retried; the reservation lands once."""
     books.grant("u", "a", 9)

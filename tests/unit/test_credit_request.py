@@ -169,3 +169,12 @@ async def test_a_request_past_its_hold_cannot_post(rig: Rig) -> None:
     req = rig.request(hold_ms=-1)
     await req.reserve(8, 5, rig.hint)
     assert await req.post(8) == "voided" and rig.consumed() == 0
+
+
+async def test_a_void_after_the_post_leaves_the_charge_standing(rig: Rig) -> None:
+    """Voiding a transfer that was posted changes nothing and says it is not voided."""
+    req = rig.request()
+    await req.reserve(8, 5, rig.hint)
+    assert await req.post(8) == "posted"
+    assert not await req.void()
+    assert rig.stored().state is State.POSTED and rig.consumed() == 5

@@ -87,3 +87,24 @@ def test_give_back_takes_last_leg_first_and_never_more_than_stands(
             assert sum(b.returned for b in back if b.grant == leg.grant) <= leg.tokens
     if back:
         assert back[0].grant == legs[-1].grant
+
+
+def test_what_a_transfer_stands_for_as_every_reader_counts_it() -> None:
+    """Posted counts its kept tokens, pending its reservation until the hold ends, and
+    voided, reversed or abandoned nothing."""
+    from usage_limits.credit import Transfer
+
+    pending = Transfer("u", "r", "n", State.PENDING, 8, hold_ms=100)
+    assert (pending.charged(99), pending.charged(100)) == (8, 0)
+    assert Transfer("u", "r", "n", State.POSTED, 8, kept=5).charged(10**13) == 5
+    for state in (State.VOIDED, State.REVERSED):
+        assert Transfer("u", "r", "n", state, 8).charged(0) == 0
+
+
+def test_consumption_counts_legs_less_returns_and_keeps_forfeits() -> None:
+    """A grant's consumption is its legs less what came back to it; forfeits stay."""
+    from usage_limits.credit.legs import consumed_by
+
+    transfers = [((Leg("a", 5), Leg("b", 2)), (Back("b", 2, 0), Back("a", 1, 3))),
+                 ((Leg("a", 4),), ())]
+    assert consumed_by(transfers) == {"a": 8, "b": 0}

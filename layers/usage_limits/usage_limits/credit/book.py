@@ -56,6 +56,9 @@ TRANSFER_DAYS = 400
 #: credit went back to it (its part forfeited), a state changed between read and write.
 ATTEMPTS = 8
 
+#: Pages of the ``pending`` index one ``abandoned`` call reads, at most (its bound).
+MAX_PAGES = 10
+
 #: Makes more transaction items that must commit with a transition (a support reversal's
 #: audit entry), given the credit it gives back.
 ExtraItems = Callable[[tuple[Back, ...]], list[dict[str, Any]]]
@@ -159,6 +162,16 @@ class Transfer:
     def abandoned(self, now_ms: int) -> bool:
         """Pending past its hold: treat as voided; whoever finds it writes the void."""
         return self.state is State.PENDING and self.hold_ms <= now_ms
+
+    def charged(self, now_ms: int) -> int:
+        """Tokens the transfer stands for at ``now_ms``, as every reader must count it:
+        ``kept`` once posted, ``reserved`` while pending within its hold (in flight), 0
+        when voided, reversed or abandoned."""
+        if self.state is State.POSTED:
+            return self.kept
+        if self.state is State.PENDING and not self.abandoned(now_ms):
+            return self.reserved
+        return 0
 
     def item(self) -> dict[str, Any]:
         """The item as stored (None values are left out)."""
@@ -270,7 +283,8 @@ class TransferBook(DynamoTable):
                   limit: int = 100) -> list[tuple[str, str, str]]:
         """(user, request id, nonce) of pending transfers past their hold in one shard of
         the ``pending`` index (eventually consistent: a hold ended moments ago may be
-        missing; the sweep's bound allows for it), of one user when given."""
+        missing; the sweep's bound allows for it), of one user when given; at most
+        ``limit``, oldest hold first, reading at most ``MAX_PAGES`` pages."""
         kwargs: dict[str, Any] = {
             "TableName": self.table, "IndexName": PENDING_INDEX, "Limit": limit,
             "KeyConditionExpression": "pend_pk = :s AND pend_sk < :t",
@@ -279,14 +293,18 @@ class TransferBook(DynamoTable):
                  **({":u": _pk(user_id)} if user_id is not None else {})})}
         if user_id is not None:
             kwargs["FilterExpression"] = "pk = :u"
-        reply = self._call(self.client.query, **kwargs)
-        out = []
-        for raw in reply.get("Items", []):
-            item = self._de(raw)
-            user = str(item["pk"])[2:]
-            rid, _, nonce = str(item["sk"])[len(TRANSFER_PREFIX):].rpartition("#")
-            out.append((user, rid, nonce))
-        return out
+        out: list[tuple[str, str, str]] = []
+        for _ in range(MAX_PAGES):  # a filter applies after Limit: a page may hold none
+            reply = self._call(self.client.query, **kwargs)
+            for raw in reply.get("Items", []):
+                item = self._de(raw)
+                user = str(item["pk"])[2:]
+                rid, _, nonce = str(item["sk"])[len(TRANSFER_PREFIX):].rpartition("#")
+                out.append((user, rid, nonce))
+            if len(out) >= limit or "LastEvaluatedKey" not in reply:
+                break
+            kwargs["ExclusiveStartKey"] = reply["LastEvaluatedKey"]
+        return out[:limit]
 
     def _query(self, pk: str, prefix: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
@@ -338,6 +356,10 @@ class TransferBook(DynamoTable):
                 if not fresh:
                     known, fresh = self.grants(user_id), True
                     continue
+                if self.get(user_id, request_id, nonce) is not None:
+                    # an earlier send of this very call landed (its answer was lost): the
+                    # credit it took is what is missing now
+                    return self._settle(user_id, request_id, nonce, Event.RESERVE, now)
                 return Answer(Result.EXCEEDS_CREDIT, None, credit=balance(known, now),
                               grants=known)
             transfer = replace(base, legs=legs)
@@ -565,7 +587,7 @@ class TransferBook(DynamoTable):
         condition = ("attribute_exists(pk) AND attribute_not_exists(void_at) AND "
                      "(attribute_not_exists(expires_at) OR expires_at > :now)")
         if cap is not None:  # never overdrawn: the one place this is enforced
-            condition += " AND #c <= :cap"
+            condition += " AND (attribute_not_exists(#c) OR #c <= :cap)"
             values[":cap"] = cap
         return {"Update": {
             "TableName": self.table,

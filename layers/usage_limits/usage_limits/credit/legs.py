@@ -105,6 +105,19 @@ def give_back(legs: Sequence[Leg], back: Sequence[Back], tokens: int) -> tuple[L
     return tuple(out)
 
 
+def consumed_by(transfers: Iterable[tuple[Sequence[Leg], Sequence[Back]]]) -> dict[str, int]:
+    """Per grant, its legs less what was returned to it over the given transfers' (legs,
+    back): what the grant's ``consumed`` must equal over every transfer that drew on it
+    (the auditor's check). Forfeited credit stays consumed."""
+    out: dict[str, int] = {}
+    for legs, back in transfers:
+        for leg in legs:
+            out[leg.grant] = out.get(leg.grant, 0) + leg.tokens
+        for b in back:
+            out[b.grant] = out.get(b.grant, 0) - b.returned
+    return out
+
+
 def merge_back(back: Iterable[Back], more: Iterable[Back]) -> tuple[Back, ...]:
     """``back`` with ``more`` added, one entry per grant, first-seen order."""
     merged: dict[str, Back] = {}
@@ -114,5 +127,5 @@ def merge_back(back: Iterable[Back], more: Iterable[Back]) -> tuple[Back, ...]:
     return tuple(merged.values())
 
 
-__all__ = ["Back", "Leg", "balance", "draw_order", "drawn", "give_back", "live", "merge_back",
-           "plan_legs", "standing"]
+__all__ = ["Back", "Leg", "balance", "consumed_by", "draw_order", "drawn", "give_back", "live",
+           "merge_back", "plan_legs", "standing"]

@@ -128,15 +128,19 @@ class RequestTransfer:
         return "unknown"
 
     async def void(self) -> bool:
-        """Void the transfer (the request failed). Returns True when that is done; False:
-        the void is kept in the outbox (DynamoDB did not answer)."""
+        """Void the transfer (the request failed).
+
+        Returns:
+            True when it is voided (now or before); False when it is not: DynamoDB did not
+            answer (the void is kept in the outbox), or it was posted already.
+        """
         try:
-            await asyncio.to_thread(self.book.void, self.user_id, self.request_id, self.nonce,
-                                    known=self.transfer)
+            answer = await asyncio.to_thread(self.book.void, self.user_id, self.request_id,
+                                             self.nonce, known=self.transfer)
         except StoreUnavailable:
             outbox.keep(outbox.Write(self.book, self.user_id, self.request_id, self.nonce))
             return False
-        return True
+        return answer.ok
 
 
 def abandoned_of(book: TransferBook, user_id: str, now_ms: int) -> int:

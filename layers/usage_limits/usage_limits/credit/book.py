@@ -69,9 +69,14 @@ def transfer_sk(request_id: str, nonce: str) -> str:
     return f"{TRANSFER_PREFIX}{request_id}#{nonce}"
 
 
+def shard_of(user_id: str) -> int:
+    """The shard (0..15) of the ``pending`` index that holds a user's pending transfers."""
+    return zlib.crc32(user_id.encode()) % PENDING_SHARDS
+
+
 def pending_shard(user_id: str) -> str:
     """The ``pending`` index partition of a user's pending transfers."""
-    return f"PEND#{zlib.crc32(user_id.encode()) % PENDING_SHARDS}"
+    return f"PEND#{shard_of(user_id)}"
 
 
 def _now_ms() -> int:
@@ -627,4 +632,5 @@ class TransferBook(DynamoTable):
 
 
 __all__ = ["ATTEMPTS", "PENDING_INDEX", "PENDING_SHARDS", "TRANSFER_DAYS", "TRANSFER_PREFIX",
-           "Answer", "ExtraItems", "Transfer", "TransferBook", "pending_shard", "transfer_sk"]
+           "Answer", "ExtraItems", "Transfer", "TransferBook", "pending_shard", "shard_of",
+           "transfer_sk"]

@@ -30,7 +30,7 @@ from typing import Literal
 from ..entitlements.exceptions import StoreUnavailable
 from ..entitlements.models import Grant
 from . import outbox
-from .book import PENDING_SHARDS, Answer, Transfer, TransferBook, pending_shard
+from .book import Answer, Transfer, TransferBook, shard_of
 from .transfers import Result
 
 #: What the request may answer after ``reserve``:
@@ -150,11 +150,8 @@ def abandoned_of(book: TransferBook, user_id: str, now_ms: int) -> int:
     Raises:
         StoreUnavailable: DynamoDB failed (nothing is lost: the sweep finds them too).
     """
-    shard = int(pending_shard(user_id).removeprefix("PEND#"))
-    if not 0 <= shard < PENDING_SHARDS:
-        raise StoreUnavailable("a pending shard out of range")
     voided = 0
-    for user, rid, nonce in book.abandoned(shard, now_ms, user_id=user_id):
+    for user, rid, nonce in book.abandoned(shard_of(user_id), now_ms, user_id=user_id):
         voided += book.resolve_abandoned(user, rid, nonce, now_ms=now_ms).result \
             is Result.APPLIED
     return voided

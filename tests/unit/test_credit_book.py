@@ -219,3 +219,33 @@ def test_a_conflict_is_retried_inside_the_call(books: Books) -> None:
     made = books.book.reserve("u", "r", "n", reserved=4, credit=4,
                               hold_ms=books.now + HOLD_MS, now_ms=books.now)
     assert made.result is Result.APPLIED and books.consumed("u") == {"a": 4}
+
+
+def test_a_leg_of_an_expired_grant_is_forfeited_on_void(books: Books) -> None:
+    """Credit going back to a grant that has expired since is forfeited: it stays consumed."""
+    books.grant("u", "short", 5, expires_in_ms=1_000)
+    made = books.book.reserve("u", "r", "n", reserved=3, credit=3,
+                              hold_ms=books.now + HOLD_MS, now_ms=books.now)
+    voided = books.book.void("u", "r", "n", known=made.transfer, now_ms=books.now + 1_000)
+    assert voided.moved == (Back("short", 0, 3),) and books.consumed("u") == {"short": 3}
+
+
+def test_a_reversal_commits_with_its_extra_items_or_not_at_all(books: Books) -> None:
+    """An extra item whose condition fails (a support record already there) stops the
+    reversal: nothing is written and ExtraRefused names the item."""
+    from usage_limits.credit import ExtraRefused
+
+    books.grant("u", "a", 9)
+    made = books.book.reserve("u", "r", "n", reserved=4, credit=4,
+                              hold_ms=books.now + HOLD_MS, now_ms=books.now)
+    assert made.transfer is not None
+    books.book.post(made.transfer, 4, now_ms=books.now)
+    marker = {"Put": {"TableName": "entitlements",
+                      "Item": {"pk": {"S": "U#u"}, "sk": {"S": "X#support"}},
+                      "ConditionExpression": "attribute_not_exists(pk)"}}
+    books.store.client.put_item(TableName="entitlements", Item=marker["Put"]["Item"])
+    with pytest.raises(ExtraRefused) as refused:
+        books.book.reverse("u", "r", "n", extra=lambda moved: [marker], now_ms=books.now)
+    assert refused.value.index == 0
+    assert books.book.get("u", "r", "n").state is State.POSTED  # type: ignore[union-attr]
+    assert books.consumed("u") == {"a": 4}

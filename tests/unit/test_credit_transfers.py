@@ -108,3 +108,13 @@ def test_consumption_counts_legs_less_returns_and_keeps_forfeits() -> None:
     transfers = [((Leg("a", 5), Leg("b", 2)), (Back("b", 2, 0), Back("a", 1, 3))),
                  ((Leg("a", 4),), ())]
     assert consumed_by(transfers) == {"a": 8, "b": 0}
+
+
+def test_a_charge_draws_from_at_most_max_legs_grants() -> None:
+    """However many small grants a user has, one transfer has at most MAX_LEGS legs, so it
+    always fits one DynamoDB transaction."""
+    from usage_limits.credit.legs import MAX_LEGS
+
+    grants = [_grant(f"g{i:03d}", 1, created=i) for i in range(MAX_LEGS + 5)]
+    legs = plan_legs(grants, MAX_LEGS + 5, now_ms=0)
+    assert len(legs) == MAX_LEGS and drawn(legs) == MAX_LEGS

@@ -60,13 +60,20 @@ def balance(grants: Iterable[Grant], now_ms: int) -> int:
     return sum(g.remaining for g in grants if live(g, now_ms))
 
 
+#: Legs one transfer may have: with its item (and a support reversal's record and audit
+#: entry) they must fit one DynamoDB transaction (100 items); a charge needing more grants
+#: than this is refused as if the credit were short.
+MAX_LEGS = 32
+
+
 def plan_legs(grants: Iterable[Grant], tokens: int, now_ms: int) -> tuple[Leg, ...]:
-    """The legs that draw ``tokens`` from ``grants`` in draw order (fewer tokens when the
-    live grants hold less: the caller compares ``drawn(legs)`` with what it needs)."""
+    """The legs that draw ``tokens`` from ``grants`` in draw order, at most ``MAX_LEGS``
+    (fewer tokens when the live grants hold less: the caller compares ``drawn(legs)``
+    with what it needs)."""
     legs: list[Leg] = []
     need = tokens
     for grant in sorted((g for g in grants if live(g, now_ms)), key=draw_order):
-        if need <= 0:
+        if need <= 0 or len(legs) == MAX_LEGS:
             break
         take = min(need, grant.remaining)
         if take > 0:
@@ -127,5 +134,5 @@ def merge_back(back: Iterable[Back], more: Iterable[Back]) -> tuple[Back, ...]:
     return tuple(merged.values())
 
 
-__all__ = ["Back", "Leg", "balance", "consumed_by", "draw_order", "drawn", "give_back", "live",
-           "merge_back", "plan_legs", "standing"]
+__all__ = ["MAX_LEGS", "Back", "Leg", "balance", "consumed_by", "draw_order", "drawn",
+           "give_back", "live", "merge_back", "plan_legs", "standing"]

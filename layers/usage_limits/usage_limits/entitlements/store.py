@@ -114,6 +114,8 @@ TABLE_DEFINITION: dict[str, Any] = {
         {"AttributeName": "gsi1sk", "AttributeType": "S"},
         {"AttributeName": EXPIRY_HOUR_ATTR, "AttributeType": "S"},
         {"AttributeName": "expires_at", "AttributeType": "N"},
+        {"AttributeName": "pend_pk", "AttributeType": "S"},
+        {"AttributeName": "pend_sk", "AttributeType": "S"},
     ],
     "KeySchema": [
         {"AttributeName": "pk", "KeyType": "HASH"},
@@ -131,6 +133,15 @@ TABLE_DEFINITION: dict[str, Any] = {
         "KeySchema": [
             {"AttributeName": EXPIRY_HOUR_ATTR, "KeyType": "HASH"},
             {"AttributeName": "expires_at", "KeyType": "RANGE"},
+        ],
+        "Projection": {"ProjectionType": "KEYS_ONLY"},
+    }, {
+        # pending transfers only (sparse: a transition out of pending removes its keys), by
+        # hold, for the sweep of abandoned ones (usage_limits/credit/book.py)
+        "IndexName": "pending",
+        "KeySchema": [
+            {"AttributeName": "pend_pk", "KeyType": "HASH"},
+            {"AttributeName": "pend_sk", "KeyType": "RANGE"},
         ],
         "Projection": {"ProjectionType": "KEYS_ONLY"},
     }],

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from local.dynamodb import DynamoServer
 from local.redis_servers import RedisServer
+from tests.dynamo import local_dynamo
 from tests.dynamofaults import FaultyClient
 from usage_limits import TokenBudget, Window
 from usage_limits.entitlements.cache import EntitlementCache
@@ -37,12 +38,8 @@ PLAN = [Window(limit=10, seconds=60)]
 @pytest.fixture(scope="module")
 def dynamo() -> Iterator[DynamoServer]:
     """The local DynamoDB server (moto over HTTP) with the entitlements table."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-            mp.setenv(name, "local")
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        with DynamoServer(table="expiry") as server:
-            yield server
+    with local_dynamo("expiry") as server:
+        yield server
 
 
 @dataclass

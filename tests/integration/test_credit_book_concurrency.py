@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from local.dynamodb import DynamoServer
+from tests.dynamo import local_dynamo
 from usage_limits.credit import Result, TransferBook
 from usage_limits.credit.legs import consumed_by
 from usage_limits.entitlements.config import StoreSettings
@@ -25,12 +26,8 @@ PER_THREAD = 6
 @pytest.fixture(scope="module")
 def dynamo() -> Iterator[DynamoServer]:
     """A local DynamoDB server reached over HTTP, with the table."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AWS_ACCESS_KEY_ID", "local")
-        mp.setenv("AWS_SECRET_ACCESS_KEY", "local")
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        with DynamoServer(table="credit-book-concurrency") as server:
-            yield server
+    with local_dynamo("credit-book-concurrency") as server:
+        yield server
 
 
 def _settings(server: DynamoServer) -> StoreSettings:

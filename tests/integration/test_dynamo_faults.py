@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from local.dynamodb import FAULT_KINDS, DynamoServer, refusal
+from tests.dynamo import local_dynamo
 from usage_limits.entitlements import StoreUnavailable
 from usage_limits.entitlements.config import StoreSettings
 from usage_limits.entitlements.store import EntitlementStore
@@ -18,12 +19,8 @@ from usage_limits.entitlements.store import EntitlementStore
 
 @pytest.fixture(scope="module")
 def dynamo() -> Iterator[DynamoServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-            mp.setenv(name, "local")
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        with DynamoServer(table="faults") as server:
-            yield server
+    with local_dynamo("faults") as server:
+        yield server
 
 
 #: More calls than the store and botocore make for one change, retries included.

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 
 from local.dynamodb import DynamoServer
 from local.redis_servers import RedisServer
+from tests.dynamo import local_dynamo
 from usage_limits import TokenBudget, Window
 from usage_limits.entitlements.auditor import Auditor, AuditSettings
 from usage_limits.entitlements.cache import EntitlementCache
@@ -41,12 +42,8 @@ PLAN = [Window(limit=10, seconds=60)]
 @pytest.fixture(scope="module")
 def dynamo() -> Iterator[DynamoServer]:
     """The local DynamoDB server (moto over HTTP) with the entitlements and usage tables."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-            mp.setenv(name, "local")
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        with DynamoServer(table="sweep") as server:
-            yield server
+    with local_dynamo("sweep") as server:
+        yield server
 
 
 @dataclass

@@ -21,6 +21,7 @@ from local.dynamodb import DynamoServer
 from local.emulator import EmulatorProcess
 from local.lambda_events import http_event, invoke
 from local.redis_servers import RedisServer
+from tests.dynamo import local_dynamo
 from tests.ledger import used
 
 if TYPE_CHECKING:
@@ -36,12 +37,8 @@ COST = 8
 @pytest.fixture(scope="module")
 def dynamo() -> Iterator[DynamoServer]:
     """The local DynamoDB of this module, whose faults the tests inject."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-            mp.setenv(name, "local")
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        with DynamoServer(table="idem-key") as server:
-            yield server
+    with local_dynamo("idem-key") as server:
+        yield server
 
 
 @pytest.fixture

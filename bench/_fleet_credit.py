@@ -65,6 +65,10 @@ def plans_env(budget: str, quota: int) -> dict[str, str]:
             "ATTO_DEFAULT_PLAN": "base"}
 
 
+#: How long the settle after the run may take per user, s (the local DynamoDB, busy).
+SETTLE_S = 10.0
+
+
 class CreditOperator:
     """The operator of the run: grants before traffic, changes during it, in a thread with
     its own event loop, through ``Operator`` against the fleet's Redis and DynamoDB."""
@@ -228,6 +232,21 @@ class CreditOperator:
         self._loop.close()
 
     # -- after traffic -------------------------------------------------------------------
+    def settle(self, users: list[str]) -> dict[str, int]:
+        """Undo every user's provisional charges whose hold has ended, as the user's next
+        request would (``web.holds.undo``): what a killed process or a lost refund left for
+        that request. Call it once every hold of the run has ended. Returns user -> how many
+        charges were undone."""
+        from usage_limits.web import holds
+
+        op = self._operator
+        undone: dict[str, int] = {}
+        for user in users:
+            ids = self.run(holds.undo(op.budget, op.cache, user, within_s=SETTLE_S))
+            if ids:
+                undone[user] = len(ids)
+        return undone
+
     def copy_credit(self, user: str) -> tuple[int, dict[str, str]]:
         """The credit the user's Redis copy lets them spend (loaded from DynamoDB when the
         copy is gone, as the next request would), and the copy's raw fields as found."""

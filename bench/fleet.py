@@ -13,7 +13,10 @@ server, ``local.dynamodb``) holding the entitlements: a share of the users has a
 paid grant and a small quota, and an operator changes grants, plans and suspensions and
 makes support refunds while traffic runs (``_fleet_credit``). Faults fire at fixed points
 of the run (``_fleet_faults``), in Redis, the providers and DynamoDB. Afterwards the
-invariants (``_fleet_check``) are checked from Redis, DynamoDB, the emulator's counters
+invariants (``_fleet_check``) are checked, once every hold of the run has ended and each
+user's charges left provisional (a killed process, a refund lost to a fault) were undone as
+the user's next request would undo them (``CreditOperator.settle``), from Redis, DynamoDB,
+the emulator's counters
 and the invocation records, a table is printed and PNG plots are written. Exit status 0
 when every invariant holds.
 
@@ -279,12 +282,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 p.kill()
         if operator is not None:
             operator.join(30.0)
+        # The run's last holds end; then every user's charges left provisional (a killed
+        # process, a refund lost to a fault) are undone, as the user's next request would.
+        settled: dict[str, int] = {}
+        if operator is not None:
+            from usage_limits.web.holds import HOLD_MARGIN_S
+
+            time.sleep(max(0.0, stop.value + args.lambda_timeout + HOLD_MARGIN_S + 0.5
+                           - time.time()))
+            settled = operator.settle(users + ([HEAVY_USER] if args.heavy_user else []))
         # A leaked lease must come back by itself: wait for it (bounded) before measuring.
         for fault in done:
             back = fault.get("slot_back_after_kill_s")
             if back is not None:
                 time.sleep(max(0.0, fault["end"] + back + 0.2 - time.time()))
-        later = {}
+        later: dict[str, Any] = {"undone_at_settle": settled}
         for fn in ctx.later:
             later.update(fn())
         try:

@@ -309,16 +309,16 @@ DRAIN_S = 15.0
 
 
 def drain(loop: Any, timeout_s: float = DRAIN_S) -> int:
-    """Make the refunds (and idempotency releases) this environment still keeps, trying
-    again until none is left or ``timeout_s`` passed; how many are left."""
-    from usage_limits.web import idempotency, refunds
+    """Make the refunds this environment still keeps, trying again until none is left or
+    ``timeout_s`` passed; how many are left."""
+    from usage_limits.web import refunds
 
     deadline = time.time() + timeout_s
-    while (refunds.pending() or idempotency.kept()) and time.time() < deadline:
-        loop.run_until_complete(asyncio.gather(refunds.retry(), idempotency.retry()))
-        if refunds.pending() or idempotency.kept():
+    while refunds.pending() and time.time() < deadline:
+        loop.run_until_complete(refunds.retry())
+        if refunds.pending():
             time.sleep(0.2)
-    return refunds.pending() + idempotency.kept()
+    return refunds.pending()
 
 
 def _take_retry(retries: Any, wid: str) -> tuple[Any, ...] | None:

@@ -263,7 +263,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 at = t_start + faults.SCHEDULE[name] * args.duration
                 time.sleep(max(0.0, at - time.time()))
                 print(f"[{time.time() - t_start:6.1f}s] fault {name}", flush=True)
-                done.append(faults.FAULTS[name](ctx))
+                result = faults.FAULTS[name](ctx)
+                done.append(result)
+                # traffic goes on past every fault as soon as it ends: a fault that ran late
+                # (an upstream storm lasts until its answers are used up) is still seen to
+                # recover, and the ones after it still meet traffic
+                with stop.get_lock():
+                    stop.value = max(stop.value, result["end"] + RECOVERY_TAIL_S)
 
         # DynamoDB's faults keep their own points of the run, whatever the others took
         # (an upstream storm lasts until its forced answers are used up).
@@ -273,8 +279,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fire([f for f in args.fault_list if f not in DYNAMO_FAULTS])
         dynamo_thread.join()
         done.sort(key=lambda f: f["start"])
-        if done:
-            stop.value = max(stop_at, max(f["end"] for f in done) + RECOVERY_TAIL_S)
         for p in procs:
             p.join(max(1.0, stop.value - time.time() + args.lambda_timeout + 10
                        + worker.DRAIN_S))
@@ -317,8 +321,12 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
     for path in sorted(out.glob("records-*.jsonl")):
         lines += path.read_text().splitlines()
     ends, in_flight = check.load_records(lines)
-    undrained = sum(json.loads(line).get("left", 0) for line in lines
-                    if '"kind": "drain"' in line)
+    drains = [json.loads(line) for line in lines if '"kind": "drain"' in line]
+    undrained = sum(d.get("left", 0) for d in drains)
+    # every environment but the one killed on purpose ends its run by draining its kept
+    # refunds: one that did not (it crashed, or was killed at the end) lost them
+    no_drain = sorted({p.stem.removeprefix("records-") for p in out.glob("records-*.jsonl")}
+                      - {"victim"} - {d["w"] for d in drains})
     refunded = operator.refunded if operator is not None else {}
     credit_plans = {}
     if operator is not None:
@@ -347,7 +355,7 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
         "ledger": check.check_ledger(ledger, ends, in_flight, [
             (f["start"], f["end"]) for f in done
             if f["fault"] in ("redis-restart", "redis-slow", "failover", "ledger-refused")],
-            refunded),
+            refunded) | {"ended_without_drain": no_drain},
         "credit": None if operator is None else check_credit(operator, ends, in_flight,
                                                              ledger, undrained),
         "providers": check.check_providers(stats, limits, ctx.injected_429),
@@ -367,7 +375,8 @@ def evaluate(out: Path, redis: FleetRedis, emu: EmulatorProcess, plan: Any,
         "no_overspend": not result["overspend"]["violations"]
         and not result["overspend"]["running_totals_wrong"],
         "ledger_equals_work": not (led["charged_for_failed"] or led["missing_charges"]
-                                   or led["wrong_cost"] or led["charged_twice"]),
+                                   or led["wrong_cost"] or led["charged_twice"]
+                                   or led["ended_without_drain"]),
         "providers_within_limit": not any(p["over"] or p["emulator_own_429"] > 0
                                           for p in result["providers"].values()),
         "deadlines_kept": result["deadlines"]["late"] == 0,
@@ -444,7 +453,8 @@ def table(result: dict[str, Any]) -> str:
                 f"{led['expected_events']} / {led['expected_tokens']}; charged for failed "
                 f"{len(led['charged_for_failed'])}, missing {len(led['missing_charges'])}, "
                 f"wrong cost {len(led['wrong_cost'])}, twice {len(led['charged_twice'])}, "
-                f"killed in flight kept {led['killed_in_flight_kept']}; refunds lost to a "
+                f"killed in flight kept {led['killed_in_flight_kept']}; environments "
+                f"ended without draining {led['ended_without_drain'] or 'none'}; refunds lost to a "
                 f"Redis fault {len(led['refund_lost_to_redis_fault'])} "
                 f"({sum(x['cost'] for x in led['refund_lost_to_redis_fault'])} tokens) |")
     prov = "; ".join(f"{f} max {p['max_in_window']}/{p['limit']:g} per {p['per_s']:g}s, "

@@ -26,6 +26,7 @@ from tests.integration.test_credit_exactness import (  # noqa: F401  (patch: a f
     fail_once,
     fill_quota,
     patch,
+    serve_until_kept_refunds_land,
 )
 from tests.integration.test_entitlements_hotpath import (  # noqa: F401  (env: a fixture)
     OPERATOR,
@@ -129,10 +130,10 @@ def test_return_credit_refused(env: Any, emulator: EmulatorProcess, faults: Faul
     faults.armed.clear()
     assert res.status == 502
     assert ("transact_write_items", kind) in faults.met
-    assert embed_one(user).status == 200  # lands the kept refund first
-    assert standing(user, "gw-r") == 0 and consumed(user) == {"inv": 1}
+    served = serve_until_kept_refunds_land(user)
+    assert standing(user, "gw-r") == 0 and consumed(user) == {"inv": served}
     assert embed_one(user).status == 200  # nothing is returned twice
-    assert consumed(user) == {"inv": 2}
+    assert consumed(user) == {"inv": served + 1}
     books_balance(user)
 
 

@@ -254,9 +254,22 @@ def test_a_draw_whose_outcome_cannot_be_known_never_says_nothing_was_charged(
         cache.store = good
     assert res.status == 503 and "may have been charged" in res.body["error"]["message"]
     assert consumed(user) == {"inv": 1}  # the draw stands until the kept refund lands
-    assert embed(user, 1) == [200]  # the next request of this environment lands it first
-    assert consumed(user) == {"inv": 1} and remaining(user) == {"inv": 99}
+    served = serve_until_kept_refunds_land(user)
+    assert consumed(user) == {"inv": served} and remaining(user) == {"inv": 100 - served}
     books_balance(user)
+
+
+def serve_until_kept_refunds_land(user: str, most: int = 20) -> int:
+    """Serve ``user`` one request at a time until this environment keeps no refund (each
+    request first tries the kept ones, each within its bound, which a busy machine's local
+    DynamoDB can outrun): how many requests were served, each drawing 1 credit."""
+    from usage_limits.web import refunds
+
+    for served in range(1, most + 1):
+        assert embed(user, 1) == [200]
+        if not refunds.pending():
+            return served
+    raise AssertionError(f"the kept refunds did not land within {most} requests")
 
 
 def test_a_lost_refund_reply_returns_the_credit_in_dynamodb_exactly_once(

@@ -9,6 +9,12 @@ import pytest
 
 from local.redis_servers import RedisServer
 
+#: A script that keeps the server busy for ARGV[1] seconds (EVAL it with no keys): past
+#: busy-reply-threshold every other client's command is refused BUSY.
+LONG_SCRIPT = "local t = redis.call('TIME'); local s = t[1] + t[2] / 1e6; " \
+              "while true do t = redis.call('TIME'); " \
+              "if t[1] + t[2] / 1e6 - s > tonumber(ARGV[1]) then break end end; return 1"
+
 
 @pytest.fixture
 def breakable_server() -> Iterator[RedisServer]:

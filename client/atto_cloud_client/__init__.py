@@ -59,6 +59,7 @@ from .models import (
     UsageDay,
     UsageHistory,
     UsageHistoryRecord,
+    UsageTotals,
 )
 from .ratelimit import RateLimitStatus, RateLimitWindow
 from .signin import LoopbackSignIn, OIDCEndpoints
@@ -115,4 +116,5 @@ __all__ = [
     "UsageDay",
     "UsageHistory",
     "UsageHistoryRecord",
+    "UsageTotals",
 ]

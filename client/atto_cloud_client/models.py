@@ -566,8 +566,10 @@ class UsageHistoryRecord:
 
 @dataclass(frozen=True)
 class UsageDay:
-    """One UTC day of a statement: charges made, tokens reserved, kept, refunded and drawn
-    from credit."""
+    """One UTC day of a statement (every day of its span, a day without charges with
+    zeros): charges made (refunded ones included), tokens reserved, kept, given back and
+    drawn from credit, and ``refunds``: the charges given back whole (failed requests,
+    support refunds)."""
 
     day: str
     charges: int
@@ -575,6 +577,35 @@ class UsageDay:
     kept: int
     refunded: int
     credit: int
+    refunds: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class UsageTotals:
+    """A statement's summary of its whole span: what was charged, given back and kept.
+
+    Attributes:
+        charges: charges made, refunded ones included.
+        reserved: tokens they reserved.
+        refunds: charges given back whole: failed requests (refunded automatically) and
+            support refunds; ``charges - refunds`` stand.
+        refunded: tokens given back, by refunds and settles (``reserved - kept``).
+        kept: tokens kept now.
+        credit: tokens drawn from credit grants.
+    """
+
+    charges: int
+    reserved: int
+    refunds: int
+    refunded: int
+    kept: int
+    credit: int
+
+    @classmethod
+    def from_json(cls, t: Mapping[str, Any]) -> UsageTotals:
+        return cls(charges=int(t["charges"]), reserved=int(t["reserved"]),
+                   refunds=int(t["refunds"]), refunded=int(t["refunded"]),
+                   kept=int(t["kept"]), credit=int(t["credit"]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -585,8 +616,10 @@ class UsageHistory:
         since: the span's start, Unix time (inclusive).
         until: the span's end, Unix time (exclusive).
         records: this page's records.
-        days: per-day totals of the whole span (first page only; None on the others).
-        cursor: pass it to get the next page; None on the last.
+        days: the totals of every UTC day of the span, newest first (first page only;
+            None on the others).
+        summary: the totals of the whole span (first page only; None on the others).
+        cursor: pass it to get the next page (it carries the span); None on the last.
     """
 
     user_id: str
@@ -595,6 +628,7 @@ class UsageHistory:
     records: tuple[UsageHistoryRecord, ...]
     days: tuple[UsageDay, ...] | None
     cursor: str | None
+    summary: UsageTotals | None = None
     info: ResponseInfo | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -606,7 +640,10 @@ class UsageHistory:
             records=tuple(UsageHistoryRecord.from_json(r) for r in obj["records"]),
             days=None if days is None else tuple(
                 UsageDay(str(d["day"]), int(d["charges"]), int(d["reserved"]), int(d["kept"]),
-                         int(d["refunded"]), int(d["credit"])) for d in days),
+                         int(d["refunded"]), int(d["credit"]), int(d.get("refunds", 0)))
+                for d in days),
+            summary=None if obj.get("summary") is None
+            else UsageTotals.from_json(obj["summary"]),
             cursor=obj.get("cursor"), info=info)
 
 

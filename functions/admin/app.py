@@ -282,8 +282,9 @@ async def statement(user_id: UserId, _: Actor,
                     to: Annotated[str | None, Query()] = None,
                     cursor: Annotated[str | None, Query()] = None,
                     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50) -> StatementOut:
-    """The user's usage records in [from, to), newest first, a page at a time, with
-    per-day totals on the first page: what ``GET /v1/usage/history`` shows the user."""
+    """The user's usage records in [from, to), newest first, a page at a time (a cursor
+    carries its span), with the totals of every day and of the span on the first page:
+    what ``GET /v1/usage/history`` shows the user."""
     return await read_statement(user_id, from_, to, cursor, limit)
 
 

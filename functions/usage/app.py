@@ -155,15 +155,17 @@ async def usage_history(
         user: str = Depends(current_user),
         from_: Annotated[str | None, Query(
             alias="from", description="Oldest instant (RFC 3339), inclusive; default 30 days "
-                                      "before `to`.")] = None,
+                                      "before `to` (with a cursor: the cursor's).")] = None,
         to: Annotated[str | None, Query(
-            description="Newest instant (RFC 3339), exclusive; default now.")] = None,
+            description="Newest instant (RFC 3339), exclusive; default now (with a cursor: "
+                        "the cursor's).")] = None,
         cursor: Annotated[str | None, Query(
-            description="The `cursor` of the previous page; absent for the first.")] = None,
+            description="The `cursor` of the previous page; absent for the first. It "
+                        "carries the first page's span: another `from`/`to` is 400.")] = None,
         limit: Annotated[int, Query(ge=1, le=500, description="Records per page.")] = 50,
 ) -> StatementOut:
     """The caller's own usage records in [from, to), newest first, a page at a time, with
-    per-day (UTC) totals on the first page; free."""
+    the totals of every UTC day of the span and of the whole span on the first page; free."""
     return await read_statement(user, from_, to, cursor, limit)
 
 

@@ -29,6 +29,7 @@ from atto_cloud_client import (
     Unauthorized,
     Usage,
     UsageHistory,
+    UsageTotals,
 )
 from atto_cloud_client._core import key_of
 
@@ -153,8 +154,10 @@ def test_usage_history_is_typed_and_paginated(served: Served, user: str) -> None
         first = atto.usage_history(limit=2)
         assert isinstance(first, UsageHistory) and first.cursor is not None
         assert first.days is not None and first.days[0].charges == 3
+        assert first.summary == UsageTotals(charges=3, reserved=3, refunds=0, refunded=0,
+                                            kept=3, credit=0)
         second = atto.usage_history(cursor=first.cursor, limit=2)
-        assert second.days is None and second.cursor is None
+        assert second.days is None and second.summary is None and second.cursor is None
         records = [*first.records, *second.records]
         assert [r.request_id for r in records] == list(reversed(keys))
         assert all(r.state == "charged" and r.kept == r.cost == 1 for r in records)

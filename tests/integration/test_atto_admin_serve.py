@@ -110,8 +110,11 @@ def test_statement_and_grant_history_against_make_serve(served: Served) -> None:
     assert code == 0 and [r["request_id"] for r in statement["records"]] == ["h-3", "h-2", "h-1"]
     assert statement["records"][0]["state"] == "support-refunded"
     assert statement["records"][0]["credit"] == [{"reference": "inv_h", "tokens": 1}]
-    (day,) = statement["days"]
+    day = statement["days"][0]  # today's: the statement's span ends now
+    assert len(statement["days"]) == 31  # every day of the 30 days before now
     assert (day["charges"], day["kept"], day["refunded"], day["credit"]) == (3, 2, 1, 1)
+    assert statement["summary"] == {"charges": 3, "reserved": 3, "refunds": 1, "refunded": 1,
+                                    "kept": 2, "credit": 1}
     month = datetime.now(UTC).strftime("%Y-%m")
     assert len(cli(served, "statement", user, "--month", month)[1]["records"]) == 3
     code, out, _ = cli(served, "statement", user, "--csv", json_out=False)
@@ -121,6 +124,9 @@ def test_statement_and_grant_history_against_make_serve(served: Served) -> None:
     assert rows[1][0] == "h-3" and rows[1][4:9] == ["support-refunded", "1", "0", "1", "inv_h=1"]
     code, out, _ = cli(served, "statement", user, json_out=False)
     assert code == 0 and out.startswith(f"statement of {user} from ")
+    summary = out.splitlines()[1:4]  # the support refund is not counted as kept
+    assert [line.split()[:2] for line in summary] == [["charged", "3"], ["refunded", "1"],
+                                                      ["kept", "2"]]
     code, history, _ = cli(served, "grant", "history", user, "inv_h")
     assert code == 0 and [(e["kind"], e["tokens"], e["request_id"]) for e in
                           history["events"]] == [("created", 5, None), ("draw", 1, "h-3"),

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from local.redis_servers import RedisServer
-from tests.breakable import outcomes
+from tests.breakable import LONG_SCRIPT, outcomes
 from tests.conftest import StartEnvironment
 from usage_limits import LimiterUnavailable, TokenBudget, Window
 from usage_limits._scripts import error_kind, script
@@ -100,11 +100,6 @@ async def test_replica_is_limiter_unavailable(server: RedisServer,
         assert isinstance(out[name], LimiterUnavailable), (name, out[name])
         assert error_kind(out[name].__cause__) == "READONLY"  # type: ignore[arg-type]
     assert (await budget.usage(user, now_ms=T0 + 3)).windows[0].used == 5
-
-
-LONG_SCRIPT = "local t = redis.call('TIME'); local s = t[1] + t[2] / 1e6; " \
-              "while true do t = redis.call('TIME'); " \
-              "if t[1] + t[2] / 1e6 - s > tonumber(ARGV[1]) then break end end; return 1"
 
 
 async def test_busy_server_is_limiter_unavailable(

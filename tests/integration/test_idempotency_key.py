@@ -237,15 +237,13 @@ def test_dynamodb_down_at_the_claim_is_503_and_nothing_charged(
     assert ask(user, key).status == 200 and used(user) == COST and arrivals(env) == 1
 
 
-@pytest.mark.parametrize("kind", ["down", "lost"])
 def test_dynamodb_failing_to_store_the_answer_withholds_it_and_refunds(
-        env: EmulatorProcess, dynamo: DynamoServer, redis_server: RedisServer,
-        kind: str) -> None:
-    """An answer DynamoDB does not confirm storing (refused, or its reply lost) is never
-    sent: 503 limiter_unavailable, tokens refunded, the claim deleted; the retry runs once
-    more and is stored, so after a FLUSHALL a third try is its replay: one charge standing."""
+        env: EmulatorProcess, dynamo: DynamoServer, redis_server: RedisServer) -> None:
+    """An answer DynamoDB refuses to store is never sent: 503 limiter_unavailable, tokens
+    refunded, the claim deleted; the retry runs once more and is stored, so after a
+    FLUSHALL a third try is its replay: one charge standing."""
     user, key = uuid.uuid4().hex, uuid.uuid4().hex
-    dynamo.inject(kind, operations=("UpdateItem",), seconds=30, count=10)
+    dynamo.inject("down", operations=("UpdateItem",), seconds=30, count=10)
     res = ask(user, key)
     assert res.status == 503 and res.body["error"]["code"] == "limiter_unavailable"
     assert "withheld" in res.body["error"]["message"] and used(user) == 0
@@ -257,6 +255,47 @@ def test_dynamodb_failing_to_store_the_answer_withholds_it_and_refunds(
     third = ask(user, key)
     assert third.headers["idempotent-replayed"] == "true" and third.body == again.body
     assert used(user) == 0 and arrivals(env) == 2
+
+
+@pytest.mark.parametrize("lost", [1, 10], ids=["once", "every-attempt"])
+def test_a_stored_answer_whose_reply_was_lost_is_sent_and_replayed(
+        env: EmulatorProcess, dynamo: DynamoServer, redis_server: RedisServer,
+        lost: int) -> None:
+    """The answer's store applies but its reply is lost (once: botocore's retry applies it
+    again; on every attempt: the store raises, and the record is read back): the answer is
+    stored, so it is sent, charged once; its repeat, after a FLUSHALL too, is replayed from
+    DynamoDB, never run or charged again."""
+    user, key = uuid.uuid4().hex, uuid.uuid4().hex
+    fault = dynamo.inject("lost", operations=("UpdateItem",), seconds=30, count=lost)
+    first = ask(user, key)
+    assert fault.hits == min(lost, 2)  # botocore makes two attempts (MAX_ATTEMPTS)
+    assert first.status == 200 and "idempotent-replayed" not in first.headers
+    assert used(user) == COST and arrivals(env) == 1
+    dynamo.clear()
+    again = ask(user, key)
+    assert again.status == 200 and again.headers["idempotent-replayed"] == "true"
+    assert again.body == first.body and used(user) == COST and arrivals(env) == 1
+    flushall(redis_server)
+    third = ask(user, key)
+    assert third.headers["idempotent-replayed"] == "true" and third.body == first.body
+    assert used(user) == 0 and arrivals(env) == 1
+
+
+def test_a_lost_store_that_cannot_be_read_back_is_withheld(
+        env: EmulatorProcess, dynamo: DynamoServer) -> None:
+    """A store whose reply is lost on every attempt, and whose record cannot be read back
+    (DynamoDB refuses the read), is not known to be stored: the answer is withheld (503,
+    refunded) and the claim deleted, so the retry runs once more and is charged once."""
+    user, key = uuid.uuid4().hex, uuid.uuid4().hex
+    dynamo.inject("lost", operations=("UpdateItem",), seconds=30, count=10)
+    dynamo.inject("down", operations=("GetItem",), seconds=30, count=10)
+    res = ask(user, key)
+    assert res.status == 503 and "withheld" in res.body["error"]["message"]
+    assert used(user) == 0 and arrivals(env) == 1
+    dynamo.clear()
+    again = ask(user, key)
+    assert again.status == 200 and "idempotent-replayed" not in again.headers
+    assert used(user) == COST and arrivals(env) == 2
 
 
 def test_dynamodb_down_at_a_repeat_is_503_never_a_second_run(

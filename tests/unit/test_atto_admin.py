@@ -266,3 +266,25 @@ def test_reload_posts_to_the_users_reload_route(server: str,
     assert main(["--url", server, "reload", "a b"]) == 0
     assert Captured.requests[-1]["path"] == "/admin/v1/users/a%20b/reload"
     assert "were dropped" in capsys.readouterr().out
+
+
+def test_statement_lines_separate_charged_refunded_and_kept(
+        server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The statement's readable lines: the span, then what was charged, refunded whole and
+    kept (charges and tokens; a refunded failure is not counted as kept), then every day."""
+    zero = {"charges": 0, "reserved": 0, "refunds": 0, "refunded": 0, "kept": 0, "credit": 0}
+    summary = {"charges": 4, "reserved": 28, "refunds": 2, "refunded": 15, "kept": 13,
+               "credit": 8}
+    Captured.answer = (200, {
+        "user_id": "u", "from": "2026-11-01T00:00:00.000Z", "to": "2026-11-03T00:00:00.000Z",
+        "records": [], "days": [{"day": "2026-11-02", **summary}, {"day": "2026-11-01", **zero}],
+        "summary": summary, "cursor": None})
+    assert main(["--url", server, "statement", "u"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "statement of u from 2026-11-01T00:00:00.000Z to 2026-11-03T00:00:00.000Z"
+    assert [line.split()[:5] for line in lines[1:4]] == [
+        ["charged", "4", "charges", "28", "tokens"], ["refunded", "2", "charges", "15", "tokens"],
+        ["kept", "2", "charges", "13", "tokens"]]
+    assert "(8 drawn from credit)" in lines[3]
+    assert lines[5].split() == ["2026-11-02", "4", "28", "2", "15", "13", "8"]
+    assert lines[6].split() == ["2026-11-01", "0", "0", "0", "0", "0", "0"]

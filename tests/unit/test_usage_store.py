@@ -11,12 +11,14 @@ from moto import mock_aws
 from usage_limits.entitlements.charges import ChargeRecord
 from usage_limits.entitlements.exceptions import StoreUnavailable
 from usage_limits.entitlements.usage import (
+    Totals,
     UsageRecord,
     day_totals,
     decode_cursor,
     grant_history,
     hours,
     month_span,
+    span_totals,
 )
 from usage_limits.entitlements.usage_store import UsageSettings, UsageStore
 from usage_limits.exceptions import InvalidArgument
@@ -109,24 +111,36 @@ def test_bad_spans_and_cursors_are_invalid(store: UsageStore) -> None:
     store.put(record("a", T0 + 1))
     store.put(record("b", T0 + 2))
     page = store.history("u1", T0, T0 + DAY, None, 1)
-    assert page.cursor is not None and decode_cursor(page.cursor)[1] == T0 + 2
+    assert page.cursor is not None and decode_cursor(page.cursor).at_ms == T0 + 2
     with pytest.raises(InvalidArgument):
         store.history("u1", T0 + DAY, T0 + 2 * DAY, page.cursor)
+    with pytest.raises(InvalidArgument, match="cursor belongs to the statement from "
+                                              "2026-11-01T00:00:00.000Z to 2026-11-02"):
+        store.history("u1", T0, T0 + DAY + 1, page.cursor)  # the record is in both spans
     with pytest.raises(InvalidArgument):
         store.history("u1", T0, T0 + DAY, None, 0)
 
 
 def test_day_totals_split_at_utc_midnight_across_a_month_boundary(store: UsageStore) -> None:
     """Records either side of midnight of 31 October / 1 November count on their own UTC
-    days, with kept, refunded and credit drawn."""
+    days, with kept, refunded and credit drawn; every day of the span is listed, the days
+    without records with zeros, and the span's totals are the sum of its days."""
     store.put(record("late", T0 - 1, cost=8, draws=(("g1", 8),)))
     store.put(record("early", T0, cost=10))
     store.lower("u1", "early", "n1", 0, "refunded", T0 + 1)
     oct_start, oct_end = month_span("2026-10")
     assert oct_end == T0 and month_span("2026-11")[0] == T0
-    totals = day_totals(store.records("u1", oct_start, T0 + DAY))
-    assert [(d.day, d.charges, d.reserved, d.kept, d.refunded, d.credit) for d in totals] == [
-        ("2026-11-01", 1, 10, 0, 10, 0), ("2026-10-31", 1, 8, 8, 0, 8)]
+    every = store.records("u1", oct_start, T0 + DAY)
+    totals = day_totals(every, oct_start, T0 + DAY)
+    assert [d.day for d in totals] == ["2026-11-01"] + [f"2026-10-{n:02}"
+                                                        for n in range(31, 0, -1)]
+    assert [(d.day, *vars(d.totals).values()) for d in totals[:3]] == [
+        ("2026-11-01", 1, 10, 1, 10, 0, 0), ("2026-10-31", 1, 8, 0, 0, 8, 8),
+        ("2026-10-30", 0, 0, 0, 0, 0, 0)]
+    assert span_totals(every, oct_start, T0 + DAY) == Totals(
+        charges=2, reserved=18, refunds=1, refunded=10, kept=8, credit=8)
+    # a span ending at midnight does not touch the day it ends on
+    assert [d.day for d in day_totals(every, T0 - DAY, T0)] == ["2026-10-31"]
     assert [r.request_id for r in store.records("u1", *month_span("2026-11"))] == ["early"]
 
 

@@ -94,13 +94,23 @@ def _credit(record: dict[str, Any]) -> str:
     return " ".join(f"{c['reference']}={c['tokens']}" for c in record.get("credit") or [])
 
 
+def _summary(t: dict[str, Any]) -> list[str]:
+    """A statement's summary: what was charged, given back and kept, charges and tokens."""
+    return [f"  charged   {t['charges']:>6} charges {t['reserved']:>9} tokens",
+            f"  refunded  {t['refunds']:>6} charges {t['refunded']:>9} tokens  (refunded whole; "
+            f"the tokens include what settles gave back)",
+            f"  kept      {t['charges'] - t['refunds']:>6} charges {t['kept']:>9} tokens  "
+            f"({t['credit']} drawn from credit)"]
+
+
 def _statement(s: dict[str, Any]) -> str:
-    lines = [f"statement of {s['user_id']} from {s['from']} to {s['to']}: "
-             f"{len(s['records'])} charges"]
-    lines.append("days (UTC)        charges  reserved      kept  refunded    credit")
+    lines = [f"statement of {s['user_id']} from {s['from']} to {s['to']}"]
+    if s.get("summary"):
+        lines += _summary(s["summary"])
+    lines.append("days (UTC)    charges  reserved   refunds  refunded      kept    credit")
     for d in s.get("days") or []:
-        lines.append(f"  {d['day']}  {d['charges']:>11} {d['reserved']:>9} {d['kept']:>9} "
-                     f"{d['refunded']:>9} {d['credit']:>9}")
+        lines.append(f"  {d['day']}  {d['charges']:>7} {d['reserved']:>9} {d['refunds']:>9} "
+                     f"{d['refunded']:>9} {d['kept']:>9} {d['credit']:>9}")
     lines.append("records (newest first)")
     for r in s["records"]:
         credit = _credit(r)

@@ -44,7 +44,7 @@ import binascii
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ..exceptions import InvalidArgument
@@ -230,33 +230,53 @@ def record_of(item: Mapping[str, Any]) -> UsageRecord:
 
 # --- the statement's cursor and day totals ---------------------------------------------------
 
-def encode_cursor(last_key: Mapping[str, Any]) -> str:
+def encode_cursor(last_key: Mapping[str, Any], from_ms: int, to_ms: int) -> str:
     """An opaque cursor for DynamoDB's ``LastEvaluatedKey`` of the time index (plain
-    values: sk and at; the partition is always the caller's own)."""
-    raw = json.dumps({"s": str(last_key["sk"]), "a": int(last_key["at"])},
-                     separators=(",", ":"))
+    values: sk and at; the partition is always the caller's own) and the statement's span
+    [from, to): every page of one statement covers the span its first page fixed."""
+    raw = json.dumps({"s": str(last_key["sk"]), "a": int(last_key["at"]), "f": from_ms,
+                      "t": to_ms}, separators=(",", ":"))
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
-def decode_cursor(cursor: str) -> tuple[str, int]:
-    """The (sk, at) a cursor of ``encode_cursor`` holds.
+@dataclass(frozen=True)
+class Cursor:
+    """Where a statement's next page starts, and the span it belongs to.
+
+    Attributes:
+        sk: the last record's sort key.
+        at_ms: the last record's instant (the time index's sort key).
+        from_ms: the statement's span's start, inclusive.
+        to_ms: its end, exclusive.
+    """
+
+    sk: str
+    at_ms: int
+    from_ms: int
+    to_ms: int
+
+
+def decode_cursor(cursor: str) -> Cursor:
+    """What a cursor of ``encode_cursor`` holds.
 
     Raises:
-        InvalidArgument: it is not one.
+        InvalidArgument: it is not one (a cursor written before cursors carried their
+            span is not one either: its statement starts again).
     """
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
         data = json.loads(base64.urlsafe_b64decode(padded.encode()))
-        sk, at = data["s"], data["a"]
-        if not isinstance(sk, str) or not sk or isinstance(at, bool) or not isinstance(at, int):
+        sk, at, f, t = data["s"], data["a"], data["f"], data["t"]
+        if not isinstance(sk, str) or not sk or not all(
+                isinstance(n, int) and not isinstance(n, bool) for n in (at, f, t)):
             raise ValueError(cursor)
         # DynamoDB refuses a number past 38 digits and a sort key past 1,024 bytes
-        if not 0 <= at <= LATEST_MS or len(sk.encode()) > MAX_SORT_KEY_BYTES:
+        if not 0 <= f <= at < t <= LATEST_MS or len(sk.encode()) > MAX_SORT_KEY_BYTES:
             raise ValueError(cursor)
     # RecursionError: JSON nested deeper than the parser's stack (a crafted cursor)
     except (ValueError, KeyError, TypeError, binascii.Error, UnicodeError, RecursionError):
         raise InvalidArgument("cursor is not one this API returned") from None
-    return sk, at
+    return Cursor(sk, at, f, t)
 
 
 def utc_day(at_ms: int) -> str:
@@ -265,38 +285,83 @@ def utc_day(at_ms: int) -> str:
 
 
 @dataclass(frozen=True)
+class Totals:
+    """What a statement's records charged, gave back and kept: per UTC day, or the span.
+
+    ``charges`` - ``refunds`` are the charges that stand (``charged`` or ``settled``), and
+    ``reserved`` = ``refunded`` + ``kept``.
+
+    Attributes:
+        charges: charges made (each reservation of a request), refunded ones included.
+        reserved: tokens they reserved.
+        refunds: charges given back whole (``refunded``: failed requests, refunded
+            automatically; ``support-refunded``).
+        refunded: tokens given back, by refunds and settles: reserved - kept.
+        kept: tokens kept now.
+        credit: tokens drawn from credit grants.
+    """
+
+    charges: int = 0
+    reserved: int = 0
+    refunds: int = 0
+    refunded: int = 0
+    kept: int = 0
+    credit: int = 0
+
+    def add(self, r: UsageRecord) -> Totals:
+        """These totals with ``r`` counted too."""
+        refund = r.state in ("refunded", "support-refunded")
+        return Totals(self.charges + 1, self.reserved + r.cost,
+                      self.refunds + refund, self.refunded + r.refunded,
+                      self.kept + r.kept, self.credit + r.credit)
+
+
+@dataclass(frozen=True)
 class DayTotal:
     """One UTC day of a statement.
 
     Attributes:
         day: ``YYYY-MM-DD`` (UTC).
-        charges: records made that day.
-        reserved: tokens they reserved.
-        kept: tokens they keep now.
-        refunded: tokens given back (by settles and refunds): reserved - kept.
-        credit: tokens drawn from credit grants.
+        totals: the records made that day (all zero on a day without any).
     """
 
     day: str
-    charges: int
-    reserved: int
-    kept: int
-    refunded: int
-    credit: int
+    totals: Totals
 
 
-def day_totals(records: Iterable[UsageRecord]) -> list[DayTotal]:
-    """Per UTC day of ``at_ms``: what the records charged, kept, gave back and drew from
-    credit; newest day first, days without records left out."""
-    days: dict[str, list[int]] = {}
+def span_days(from_ms: int, to_ms: int) -> list[str]:
+    """Every UTC day that [from, to) touches, newest first.
+
+    Raises:
+        InvalidArgument: ``to`` not after ``from``.
+    """
+    if to_ms <= from_ms:
+        raise InvalidArgument("to must be later than from")
+    first = datetime.fromtimestamp(from_ms / 1000, UTC).date()
+    last = datetime.fromtimestamp((to_ms - 1) / 1000, UTC).date()
+    return [(last - timedelta(days=i)).isoformat() for i in range((last - first).days + 1)]
+
+
+def day_totals(records: Iterable[UsageRecord], from_ms: int, to_ms: int) -> list[DayTotal]:
+    """Per UTC day of the span [from, to), newest first: what the records made that day
+    (by ``at_ms``) charged, kept, gave back and drew from credit. Every day of the span is
+    listed, a day without records with zeros; a record outside the span counts nowhere."""
+    days = dict.fromkeys(span_days(from_ms, to_ms), Totals())
     for r in records:
-        t = days.setdefault(utc_day(r.at_ms), [0, 0, 0, 0, 0])
-        t[0] += 1
-        t[1] += r.cost
-        t[2] += r.kept
-        t[3] += r.refunded
-        t[4] += r.credit
-    return [DayTotal(day, *t) for day, t in sorted(days.items(), reverse=True)]
+        day = utc_day(r.at_ms)
+        if from_ms <= r.at_ms < to_ms and day in days:
+            days[day] = days[day].add(r)
+    return [DayTotal(day, totals) for day, totals in days.items()]
+
+
+def span_totals(records: Iterable[UsageRecord], from_ms: int, to_ms: int) -> Totals:
+    """The totals of the records made in [from, to): a statement's summary, the sum of
+    its days."""
+    out = Totals()
+    for r in records:
+        if from_ms <= r.at_ms < to_ms:
+            out = out.add(r)
+    return out
 
 
 def month_span(month: str) -> tuple[int, int]:

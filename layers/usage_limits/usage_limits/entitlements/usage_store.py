@@ -31,11 +31,13 @@ from .config import (
     env_reader,
 )
 from .dynamo import DynamoTable
+from .models import iso
 from .usage import (
     ACTIVE_PREFIX,
     DEFAULT_RECORD_DAYS,
     TIME_INDEX,
     TTL_ATTRIBUTE,
+    Cursor,
     RecordState,
     UsageRecord,
     active_key,
@@ -157,6 +159,19 @@ def _check_span(from_ms: int, to_ms: int) -> None:
             raise InvalidArgument(f"{name} must be an instant (ms since the epoch, >= 0)")
     if to_ms <= from_ms:
         raise InvalidArgument("to must be later than from")
+
+
+def cursor_in_span(cursor: str, from_ms: int, to_ms: int) -> Cursor:
+    """What ``cursor`` holds, when it belongs to the span [from, to).
+
+    Raises:
+        InvalidArgument: it is not a cursor, or one of another span (saying which).
+    """
+    at = decode_cursor(cursor)
+    if (at.from_ms, at.to_ms) != (from_ms, to_ms):
+        raise InvalidArgument(f"cursor belongs to the statement from {iso(at.from_ms)} to "
+                              f"{iso(at.to_ms)}: ask with that from/to, or with none")
+    return at
 
 
 class UsageStore(DynamoTable):
@@ -281,7 +296,8 @@ class UsageStore(DynamoTable):
         """A user's records made in [from, to), newest first, one page at a time.
 
         Args:
-            cursor: the previous page's ``cursor`` (None: the first page).
+            cursor: the previous page's ``cursor`` (None: the first page); it carries the
+                span of its first page, which must be [from_ms, to_ms).
             limit: records per page, 1..``MAX_PAGE``.
 
         Raises:
@@ -299,14 +315,13 @@ class UsageStore(DynamoTable):
             "ExpressionAttributeValues": self._ser({":pk": pk, ":f": from_ms,
                                                     ":t": to_ms - 1})}
         if cursor is not None:
-            sk, at = decode_cursor(cursor)
-            if not from_ms <= at < to_ms:
-                raise InvalidArgument("cursor does not belong to this from/to span")
-            kwargs["ExclusiveStartKey"] = self._ser({"pk": pk, "sk": sk, "at": at})
+            at = cursor_in_span(cursor, from_ms, to_ms)
+            kwargs["ExclusiveStartKey"] = self._ser({"pk": pk, "sk": at.sk, "at": at.at_ms})
         reply = self._call(self.client.query, **kwargs)
         records = tuple(record_of(self._de(i)) for i in reply.get("Items", []))
         last = reply.get("LastEvaluatedKey")
-        return UsagePage(records, encode_cursor(self._de(last)) if last else None)
+        return UsagePage(records, encode_cursor(self._de(last), from_ms, to_ms)
+                         if last else None)
 
     def records(self, user_id: str, from_ms: int, to_ms: int) -> list[UsageRecord]:
         """Every record of a user made in [from, to), newest first (statements, totals and

@@ -23,14 +23,25 @@ local function fmt(x) return string.format('%.3f', x) end
 local function fmt_up(x) return string.format('%.3f', math.ceil(x * 1000) / 1000) end
 local function tag_text(x) return string.format('%.17g', x) end
 
+-- Take an entry out of the queue (booked, refused, or expired).
+local function fq_remove(queue, entries, expiry, entry)
+  redis.call('ZREM', queue, entry)
+  redis.call('HDEL', entries, entry)
+  redis.call('ZREM', expiry, entry)
+end
+
 -- Drop the entries whose expiry is at or before the clock (their callers died or gave up).
 local function fq_purge(queue, entries, expiry, clock)
   local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', fmt(clock))
-  for _, e in ipairs(gone) do
-    redis.call('ZREM', queue, e)
-    redis.call('HDEL', entries, e)
-    redis.call('ZREM', expiry, e)
-  end
+  for _, e in ipairs(gone) do fq_remove(queue, entries, expiry, e) end
+end
+
+-- Record what an entry was told (its slot) and when it leaves the queue unless it asks
+-- again: min(its deadline, the told slot + grace_ms).
+local function fq_tell(entries, expiry, entry, cost, deadline, slot, user, grace)
+  redis.call('HSET', entries, entry,
+             fmt(cost) .. ' ' .. fmt(deadline) .. ' ' .. fmt(slot) .. ' ' .. user)
+  redis.call('ZADD', expiry, fmt(math.min(deadline, slot + grace)), entry)
 end
 
 -- Cost units queued ahead of a start tag: every entry with a lower tag, and with an equal tag

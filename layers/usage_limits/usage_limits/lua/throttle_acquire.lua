@@ -44,6 +44,7 @@ Returns {status, wait_ms, slot_ms, seq, entry}:
   entry    the queue entry when queued, else ''
 ]]
 --#include _fair_queue.lua  (the fair queue)
+--#include _throttle_call.lua  (a call's kept answer, opening and closing)
 
 local state, answer = KEYS[1], KEYS[2]
 local queue, entries, expiry, users = KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -58,23 +59,10 @@ local user = ARGV[8]
 local weight = tonumber(ARGV[9])
 local grace = tonumber(ARGV[10])
 
-local done = redis.call('GET', answer)
-if done then
-  local status, slot, seq, entry = string.match(done, '^(%S+) (%S+) (%S+) (%S+)$')
-  if entry == '-' then entry = '' end
-  return {tonumber(status), fmt(tonumber(slot) - now), slot, tonumber(seq), entry}
-end
+local replayed = tc_replay(answer, now)
+if replayed then return replayed end
 
-local s = redis.call('HMGET', state, 'tat', 'clock', 'pause', 'vt')
-local tat = tonumber(s[1]) or 0
-local clock = math.max(tonumber(s[2]) or 0, now)
-local pause = tonumber(s[3]) or 0
-local vt = tonumber(s[4]) or 0
--- The first write may need memory (HSET): under maxmemory it is refused before any
--- other write, so an out-of-memory server changes nothing (Redis lets a script that
--- has written once go on writing).
-redis.call('HSET', state, 'clock', fmt(clock))
-fq_purge(queue, entries, expiry, clock)
+local tat, clock, pause, vt = tc_open(state, queue, entries, expiry, now)
 -- A finish tag at or below V is no backlog: the same as no entry (keeps the set small).
 redis.call('ZREMRANGEBYSCORE', users, '-inf', tag_text(vt))
 local start = math.max(vt, tonumber(redis.call('ZSCORE', users, user)) or vt)
@@ -101,14 +89,8 @@ else
   local entry = string.format('%015d', qseq) .. ':' .. ARGV[11]
   local deadline = now + max_wait
   redis.call('ZADD', queue, tag_text(start), entry)
-  redis.call('HSET', entries, entry,
-             fmt(cost) .. ' ' .. fmt(deadline) .. ' ' .. fmt(slot) .. ' ' .. user)
-  redis.call('ZADD', expiry, fmt(math.min(deadline, slot + grace)), entry)
+  fq_tell(entries, expiry, entry, cost, deadline, slot, user, grace)
   redis.call('ZADD', users, tag_text(start + cost / weight), user)
   reply = {3, fmt(wait), fmt(slot), 0, entry}
 end
-fq_expire(keys, clock, tat, pause, expiry)
-local entry_text = reply[5] ~= '' and reply[5] or '-'
-redis.call('SET', answer, reply[1] .. ' ' .. reply[3] .. ' ' .. reply[4] .. ' ' .. entry_text,
-           'PX', math.ceil(answer_ttl))
-return reply
+return tc_close(answer, answer_ttl, reply, keys, clock, tat, pause, expiry)

@@ -32,6 +32,7 @@ Returns {status, wait_ms, slot_ms, seq, entry} as throttle_acquire.lua, and stat
 ask anew) with wait_ms 0.
 ]]
 --#include _fair_queue.lua  (the fair queue)
+--#include _throttle_call.lua  (a call's kept answer, opening and closing)
 
 local state, answer = KEYS[1], KEYS[2]
 local queue, entries, expiry, users = KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -45,23 +46,10 @@ local entry = ARGV[7]
 local grace = tonumber(ARGV[8])
 local reach = tonumber(ARGV[9])
 
-local done = redis.call('GET', answer)
-if done then
-  local status, slot, seq, kept = string.match(done, '^(%S+) (%S+) (%S+) (%S+)$')
-  if kept == '-' then kept = '' end
-  return {tonumber(status), fmt(tonumber(slot) - now), slot, tonumber(seq), kept}
-end
+local replayed = tc_replay(answer, now)
+if replayed then return replayed end
 
-local s = redis.call('HMGET', state, 'tat', 'clock', 'pause', 'vt')
-local tat = tonumber(s[1]) or 0
-local clock = math.max(tonumber(s[2]) or 0, now)
-local pause = tonumber(s[3]) or 0
-local vt = tonumber(s[4]) or 0
--- The first write may need memory (HSET): under maxmemory it is refused before any
--- other write, so an out-of-memory server changes nothing (Redis lets a script that
--- has written once go on writing).
-redis.call('HSET', state, 'clock', fmt(clock))
-fq_purge(queue, entries, expiry, clock)
+local tat, clock, pause, vt = tc_open(state, queue, entries, expiry, now)
 local keys = {state, queue, entries, expiry, users}
 
 local reply
@@ -78,27 +66,17 @@ else
   local slot = fq_slot(tat, from, pause, interval, burst, ahead + cost)
   local wait = slot - now
   if wait > max_wait then
-    redis.call('ZREM', queue, entry)
-    redis.call('HDEL', entries, entry)
-    redis.call('ZREM', expiry, entry)
+    fq_remove(queue, entries, expiry, entry)
     reply = {0, fmt(wait), fmt(slot), 0, ''}
   elseif ahead == 0 and wait <= horizon then
     local seq = redis.call('HINCRBY', state, 'seq', 1)
     tat = math.max(tat, from, pause) + cost * interval
     redis.call('HSET', state, 'tat', fmt_up(tat), 'vt', tag_text(math.max(vt, start)))
-    redis.call('ZREM', queue, entry)
-    redis.call('HDEL', entries, entry)
-    redis.call('ZREM', expiry, entry)
+    fq_remove(queue, entries, expiry, entry)
     reply = {1, fmt(wait), fmt(slot), seq, ''}
   else
-    redis.call('ZADD', expiry, fmt(math.min(deadline, slot + grace)), entry)
-    redis.call('HSET', entries, entry,
-               fmt(cost) .. ' ' .. fmt(deadline) .. ' ' .. fmt(slot) .. ' ' .. user)
+    fq_tell(entries, expiry, entry, cost, deadline, slot, user, grace)
     reply = {3, fmt(wait), fmt(slot), 0, entry}
   end
 end
-fq_expire(keys, clock, tat, pause, expiry)
-local entry_text = reply[5] ~= '' and reply[5] or '-'
-redis.call('SET', answer, reply[1] .. ' ' .. reply[3] .. ' ' .. reply[4] .. ' ' .. entry_text,
-           'PX', math.ceil(answer_ttl))
-return reply
+return tc_close(answer, answer_ttl, reply, keys, clock, tat, pause, expiry)

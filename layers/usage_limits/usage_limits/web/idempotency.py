@@ -10,7 +10,8 @@ served key again. For a request carrying ``Idempotency-Key`` from an identified 
   over), the route runs, and a 2xx answer (status, content type, body) is stored as
   COMPLETED for ``IDEMPOTENCY_TTL_S`` seconds **before it is sent** (``web.middleware``):
   an answer that could not be stored is never sent (503, refunded), so every answer a
-  client received is stored; a failed request deletes its record, so a retry may run;
+  client received is stored (a store whose reply was lost is read back: found stored, it
+  is sent); a failed request deletes its record, so a retry may run;
 - a repeat after success: the stored answer with ``Idempotent-Replayed: true``; nothing
   reserved, no provider called. One DynamoDB call: the refused PutItem returns the record
   (``ReturnValuesOnConditionCheckFailure``);
@@ -41,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import os
 import zlib
 from dataclasses import dataclass
@@ -268,11 +270,31 @@ async def complete(data: dict[str, Any], status: int, headers: list[tuple[bytes,
                    body: bytes) -> None:
     """Store a successful answer for repeats (before it is sent).
 
+    A store that failed may still have applied (its reply lost after botocore's last
+    attempt): the record is then read back, and an answer found stored is as good as one
+    confirmed. Withholding it would delete the record, and its repeat would run again.
+
     Raises:
-        Exception: whatever the store raised; the answer must then not be sent.
+        Exception: whatever the store raised, when the answer is not found stored either;
+            the answer must then not be sent.
     """
     result, parts = stored_result(status, headers, body)
-    await asyncio.to_thread(_save, data, result, parts)
+    try:
+        await asyncio.to_thread(_save, data, result, parts)
+    except Exception:
+        if not await asyncio.to_thread(_stored, data, result):
+            raise
+
+
+def _stored(data: dict[str, Any], result: dict[str, Any]) -> bool:
+    """Whether the record holds ``result`` as its COMPLETED answer (False when it cannot
+    be read). Its parts were written before it, each confirmed, so they stand with it."""
+    try:
+        record = _persistence().get_record(data)
+    except Exception:
+        return False
+    return (record is not None and record.status == "COMPLETED"
+            and record.response_json_as_dict() == json.loads(json.dumps(result)))
 
 
 async def abandon(data: dict[str, Any]) -> None:

@@ -2,8 +2,11 @@
 
 ``GET /v1/usage/history`` (the caller's own) and the operator's
 ``GET /admin/v1/users/{user_id}/statement`` (any user's) answer the same body. The records
-come a page at a time (an opaque ``cursor``); the per-day (UTC) totals of the whole span
-come with the first page (no cursor), ``days`` is null on the others. Every instant is an
+come a page at a time (an opaque ``cursor``); the first page (no cursor) fixes the span
+(``to`` defaults to now) and every cursor carries it, so the pages of one statement cover
+one span: with a cursor, ``from`` and ``to`` may be left out, and another span is 400. The
+per-day (UTC) totals of every day of the span and the span's ``summary`` (what was charged,
+given back and kept) come with the first page, null on the others. Every instant is an
 RFC 3339 UTC string.
 """
 
@@ -16,8 +19,8 @@ from pydantic import BaseModel, Field
 
 from ..entitlements.exceptions import StoreUnavailable
 from ..entitlements.models import iso, parse_time
-from ..entitlements.usage import DAY_MS, UsageRecord, day_totals
-from ..entitlements.usage_store import UsagePage, default_usage_store
+from ..entitlements.usage import DAY_MS, UsageRecord, day_totals, decode_cursor, span_totals
+from ..entitlements.usage_store import UsagePage, cursor_in_span, default_usage_store
 from ..exceptions import InvalidArgument
 from .errors import InvalidRequest, LimiterUnavailableError, retry_after_header
 from .identity import shown_id
@@ -49,13 +52,19 @@ class RecordOut(BaseModel):
                                                "null: never.")
 
 
-class DayOut(BaseModel):
-    day: str = Field(description="The UTC date, YYYY-MM-DD.")
-    charges: int
-    reserved: int
-    kept: int
-    refunded: int
+class TotalsOut(BaseModel):
+    charges: int = Field(description="Charges made, refunded ones included.")
+    reserved: int = Field(description="Tokens they reserved.")
+    refunds: int = Field(description="Charges given back whole: failed requests (refunded "
+                                     "automatically) and support refunds.")
+    refunded: int = Field(description="Tokens given back, by refunds and settles: "
+                                      "reserved - kept.")
+    kept: int = Field(description="Tokens kept now.")
     credit: int = Field(description="Tokens drawn from credit grants.")
+
+
+class DayOut(TotalsOut):
+    day: str = Field(description="The UTC date, YYYY-MM-DD.")
 
 
 class StatementOut(BaseModel):
@@ -64,9 +73,13 @@ class StatementOut(BaseModel):
     to: str
     records: list[RecordOut] = Field(description="Newest first.")
     days: list[DayOut] | None = Field(
-        description="Per UTC day of the whole span, newest first (days without records left "
-                    "out); only on the first page, null on the others.")
-    cursor: str | None = Field(description="Pass it for the next page; null on the last.")
+        description="Every UTC day the span touches, newest first (a day without records "
+                    "with zeros); only on the first page, null on the others.")
+    summary: TotalsOut | None = Field(
+        description="The whole span: charged (charges, reserved), given back (refunds, "
+                    "refunded) and kept; only on the first page, null on the others.")
+    cursor: str | None = Field(description="Pass it for the next page (it carries the "
+                                           "span); null on the last.")
 
     model_config = {"populate_by_name": True}
 
@@ -79,18 +92,26 @@ def record_out(r: UsageRecord) -> RecordOut:
                      state=r.state, at=iso(r.at_ms) or "", changed_at=iso(r.changed_ms))
 
 
-def span(from_text: str | None, to_text: str | None, *, now_ms: int | None = None,
-         ) -> tuple[int, int]:
-    """[from, to) in ms from a statement's query.
+def span(from_text: str | None, to_text: str | None, *, cursor: str | None = None,
+         now_ms: int | None = None) -> tuple[int, int]:
+    """[from, to) in ms from a statement's query: the cursor's span when there is one
+    (``from`` and ``to``, when given, must be that span's).
 
     Raises:
         InvalidArgument: a time that is not RFC 3339 with a zone, ``to`` not after
-            ``from``, or a span longer than ``MAX_SPAN_MS``.
+            ``from``, a span longer than ``MAX_SPAN_MS``, or a cursor that is not one or
+            belongs to another span.
     """
-    to_ms = (int(time.time() * 1000) + 1 if now_ms is None else now_ms) if to_text is None \
-        else parse_time(to_text, name="to")
-    from_ms = to_ms - DEFAULT_SPAN_MS if from_text is None else parse_time(from_text,
-                                                                           name="from")
+    if cursor is not None:
+        at = decode_cursor(cursor)
+        from_ms = at.from_ms if from_text is None else parse_time(from_text, name="from")
+        to_ms = at.to_ms if to_text is None else parse_time(to_text, name="to")
+        cursor_in_span(cursor, from_ms, to_ms)
+    else:
+        to_ms = (int(time.time() * 1000) + 1 if now_ms is None else now_ms) \
+            if to_text is None else parse_time(to_text, name="to")
+        from_ms = to_ms - DEFAULT_SPAN_MS if from_text is None \
+            else parse_time(from_text, name="from")
     if from_ms < 0:
         raise InvalidArgument("from must be after 1970-01-01T00:00:00Z")
     if to_ms <= from_ms:
@@ -113,14 +134,16 @@ async def read_statement(user_id: str, from_text: str | None, to_text: str | Non
         raise LimiterUnavailableError("usage records are not configured here",
                                       headers=retry_after_header(60))
     try:
-        from_ms, to_ms = span(from_text, to_text)
+        from_ms, to_ms = span(from_text, to_text, cursor=cursor)
         page: UsagePage = await asyncio.to_thread(store.history, user_id, from_ms, to_ms,
                                                   cursor, limit)
-        days = None
+        days, summary = None, None
         if cursor is None:
             every = page.records if page.cursor is None else await asyncio.to_thread(
                 store.records, user_id, from_ms, to_ms)
-            days = [DayOut(**vars(d)) for d in day_totals(every)]
+            days = [DayOut(day=d.day, **vars(d.totals))
+                    for d in day_totals(every, from_ms, to_ms)]
+            summary = TotalsOut(**vars(span_totals(every, from_ms, to_ms)))
     except InvalidArgument as exc:
         raise InvalidRequest(str(exc)) from exc
     except StoreUnavailable as exc:
@@ -128,4 +151,4 @@ async def read_statement(user_id: str, from_text: str | None, to_text: str | Non
                                       headers=retry_after_header(1)) from exc
     return StatementOut(user_id=user_id, **{"from": iso(from_ms) or ""}, to=iso(to_ms) or "",
                         records=[record_out(r) for r in page.records], days=days,
-                        cursor=page.cursor)
+                        summary=summary, cursor=page.cursor)
